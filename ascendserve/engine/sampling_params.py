@@ -1,0 +1,254 @@
+"""Sampling parameters for text generation, with vLLM's fields, defaults and checks (no torch)."""
+
+import copy
+import math
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+from functools import cached_property
+
+from ascendserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Below this temperature a request is greedy (vLLM's `_SAMPLING_EPS`).
+_SAMPLING_EPS = 1e-5
+# Positive temperatures are raised to at least this, so that logits / T stays finite.
+_MIN_TEMPERATURE = 1e-2
+# OpenAI clamps each logit_bias value to this range.
+_MAX_ABS_LOGIT_BIAS = 100.0
+
+
+class SamplingType(IntEnum):
+    """How the next token of a request is chosen."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class RequestOutputKind(Enum):
+    """What each streamed RequestOutput holds."""
+
+    # The whole output so far, every time.
+    CUMULATIVE = 0
+    # Only what is new since the previous output.
+    DELTA = 1
+    # Nothing until the request finishes.
+    FINAL_ONLY = 2
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters, as vLLM's `SamplingParams` (OpenAI completion fields)."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Characters the detokenizer holds back so that a stop string is never streamed out.
+    output_text_buffer_length: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._verify_args()
+        if self.temperature < _SAMPLING_EPS:
+            self._normalize_greedy()
+
+    def _normalize(self) -> None:
+        # Below _SAMPLING_EPS is greedy; between it and _MIN_TEMPERATURE is raised, as vLLM does.
+        if _SAMPLING_EPS <= self.temperature < _MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s, which may give nan or inf logits; "
+                           "raised to %s.", self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE)
+            self.temperature = _MIN_TEMPERATURE
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.seed == -1:
+            self.seed = None
+        if self.logprobs is True:
+            self.logprobs = 1
+        self.stop = _to_stop_list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = _to_logit_bias(self.logit_bias)
+        if self.stop and not self.include_stop_str_in_output:
+            self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
+
+    def _verify_args(self) -> None:
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        self._verify_penalties()
+        self._verify_truncation()
+        self._verify_lengths()
+        self._verify_outputs()
+
+    def _verify_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+
+    def _verify_truncation(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        _check_int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (disabled), or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+
+    def _verify_lengths(self) -> None:
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be at least 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to "
+                             f"max_tokens={self.max_tokens}, got {self.min_tokens}.")
+
+    def _verify_outputs(self) -> None:
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if self.logprobs < -1:
+                raise ValueError(f"logprobs must be non-negative or -1 (whole vocabulary), "
+                                 f"got {self.logprobs}.")
+        if self.prompt_logprobs is not None:
+            raise ValueError(f"prompt_logprobs is not supported yet; it must be None, "
+                             f"got {self.prompt_logprobs}.")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id)
+        if any(not s for s in self.stop):
+            raise ValueError("stop cannot contain an empty string.")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True; set detokenize=True to use stop.")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty when given.")
+            for token_id in self.allowed_token_ids:
+                _check_int("allowed_token_ids", token_id)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
+
+    def _normalize_greedy(self) -> None:
+        # Zero temperature is greedy: the truncation knobs cannot change an argmax.
+        self.top_p = 1.0
+        self.top_k = 0
+        self.min_p = 0.0
+        if self.n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+
+    def validate_against(self, vocab_size: int) -> None:
+        """Raise ValueError if a token id field or logprobs exceeds a `vocab_size` vocabulary."""
+        fields = {
+            "logit_bias": list(self.logit_bias or ()),
+            "allowed_token_ids": self.allowed_token_ids or [],
+            "stop_token_ids": self.stop_token_ids,
+        }
+        for name, token_ids in fields.items():
+            bad = [t for t in token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary "
+                                 f"[0, {vocab_size - 1}]: {bad[:10]}.")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(f"logprobs must be at most the vocabulary size {vocab_size}, "
+                             f"got {self.logprobs}.")
+
+    @cached_property
+    def sampling_type(self) -> SamplingType:
+        """GREEDY below temperature 1e-5, else RANDOM_SEED when seeded, else RANDOM."""
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether the next token is the argmax of the processed logits."""
+        return self.sampling_type == SamplingType.GREEDY
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """The stop token ids as a set; the engine adds the model's eos ids separately."""
+        return set(self.stop_token_ids)
+
+    def clone(self) -> "SamplingParams":
+        """Return an independent deep copy."""
+        return copy.deepcopy(self)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in _REPR_FIELDS)
+        return f"SamplingParams({shown})"
+
+
+_REPR_FIELDS = (
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+    "top_k", "min_p", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
+    "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+    "skip_special_tokens", "spaces_between_special_tokens", "logit_bias", "allowed_token_ids",
+    "output_kind",
+)
+
+
+def _check_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__}).")
+
+
+def _to_stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    stop = list(stop)
+    for s in stop:
+        if not isinstance(s, str):
+            raise ValueError(f"stop must be a string or a list of strings, got {s!r} in it.")
+    return stop
+
+
+def _to_logit_bias(logit_bias: dict) -> dict[int, float]:
+    # JSON object keys are strings: {"50256": -100} means token id 50256.
+    converted: dict[int, float] = {}
+    for key, bias in logit_bias.items():
+        try:
+            token_id = int(key)
+            bias = float(bias)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map integer token ids to numbers, "
+                             f"got {key!r}: {bias!r}.") from None
+        if not math.isfinite(bias):
+            raise ValueError(f"logit_bias values must be finite, got {key!r}: {bias}.")
+        converted[token_id] = min(_MAX_ABS_LOGIT_BIAS, max(-_MAX_ABS_LOGIT_BIAS, bias))
+    return converted

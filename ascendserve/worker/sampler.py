@@ -1,0 +1,312 @@
+"""Turns a batch of logits into next tokens, in vLLM v1's order.
+
+Per row, on float32 copies of the logits:
+  1. allowed_token_ids: every other token -> -inf
+  2. logit_bias: added
+  3. min_tokens: eos (unless ignore_eos) and stop_token_ids -> -inf while len(output) < min_tokens
+  4. penalties: repetition (prompt + output), then frequency and presence (output only)
+  5. greedy rows: argmax
+     random rows: / temperature, min-p, top-k, top-p, then one draw from the softmax
+Logprobs are those of the raw model logits (vLLM's default `raw_logprobs`).
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ascendserve.engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingRow:
+    """One row of the batch logits: its request's params and the tokens it has seen."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    # Generated so far: drives penalties, min_tokens and the per-step seed.
+    output_token_ids: Sequence[int]
+    # Masked while len(output_token_ids) < params.min_tokens, unless params.ignore_eos.
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class LogprobsRow:
+    """Raw logprobs of the sampled token followed by the row's top-k tokens."""
+
+    # [sampled token] + top-k token ids (k = params.logprobs, the vocabulary size for -1).
+    token_ids: list[int]
+    logprobs: list[float]
+    # 1-based rank in the vocabulary: the sampled token's true rank, then 1..k.
+    ranks: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, and its logprobs where the row asked for them."""
+
+    sampled_token_ids: list[int]
+    # None where params.logprobs is None.
+    logprobs: list[LogprobsRow | None]
+
+
+class Sampler:
+    """Samples one token per row; a seeded row draws the same tokens whatever shares its batch."""
+
+    def __init__(self, seed: int | None = None):
+        # Unseeded random rows share one generator per device, seeded once from `seed`.
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample the next token of each row of `logits` [len(rows), vocab]."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        raw_logprobs = _raw_logprobs(logits, rows)
+        if all(_is_plain_greedy(row) for row in rows):
+            sampled = logits.argmax(dim=-1)
+        else:
+            processed = apply_logits_processors(logits.to(torch.float32, copy=True), rows)
+            sampled = self._sample(processed, rows)
+        token_ids = sampled.tolist()
+        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, token_ids, rows))
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        sampled = logits.argmax(dim=-1)
+        random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if random:
+            index = _index(random, logits.device)
+            sampled[index] = self._sample_random(logits[index], [rows[i] for i in random])
+        return sampled
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        params = [row.params for row in rows]
+        logits.div_(_column([p.temperature for p in params], logits))
+        apply_min_p(logits, params)
+        apply_top_k_top_p(logits, params)
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p_i / E_i), E_i ~ Exp(1), picks token i with probability p_i.
+        return probs.div_(self._exponential_noise(probs, rows)).argmax(dim=-1)
+
+    def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, row in enumerate(rows) if row.params.seed is None]
+        if len(unseeded) == len(rows):
+            noise.exponential_(generator=self._engine_generator(probs.device))
+        elif unseeded:
+            fresh = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
+            fresh.exponential_(generator=self._engine_generator(probs.device))
+            noise[_index(unseeded, probs.device)] = fresh
+        for j, row in enumerate(rows):
+            if row.params.seed is not None:
+                noise[j].exponential_(generator=_row_generator(row, probs.device))
+        # exponential_ may return exactly 0; p / tiny stays finite for p <= 1.
+        return noise.clamp_(min=torch.finfo(torch.float32).tiny)
+
+    def _engine_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self.seed & _MASK64)
+            self._generators[device] = generator
+        return generator
+
+
+def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Apply allowed_token_ids, logit_bias, min_tokens and penalties to float32 logits in place."""
+    _apply_allowed_token_ids(logits, rows)
+    _apply_logit_bias(logits, rows)
+    _apply_min_tokens(logits, rows)
+    apply_penalties(logits, rows)
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Apply repetition, frequency and presence penalties to `logits` in place (vLLM's formulas)."""
+    penalized = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
+    if not penalized:
+        return logits
+    chosen = [rows[i] for i in penalized]
+    params = [row.params for row in chosen]
+    index = _index(penalized, logits.device)
+    vocab_size = logits.shape[1]
+    out_counts = _token_counts([row.output_token_ids for row in chosen], vocab_size, logits)
+    sub = logits[index]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompt_counts = _token_counts([row.prompt_token_ids for row in chosen], vocab_size, logits)
+        seen = (prompt_counts > 0) | (out_counts > 0)
+        scale = torch.where(seen, _column([p.repetition_penalty for p in params], logits), 1.0)
+        # Positive logits are divided and the others multiplied, so a penalty > 1 always lowers.
+        sub = torch.where(sub > 0, sub / scale, sub * scale)
+    sub -= _column([p.frequency_penalty for p in params], logits) * out_counts
+    sub -= _column([p.presence_penalty for p in params], logits) * (out_counts > 0)
+    logits[index] = sub
+    return logits
+
+
+def _apply_allowed_token_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    limited = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if not limited:
+        return
+    mask = torch.ones((len(limited), logits.shape[1]), dtype=torch.bool, device=logits.device)
+    row_ids, token_ids = [], []
+    for j, i in enumerate(limited):
+        allowed = rows[i].params.allowed_token_ids
+        row_ids += [j] * len(allowed)
+        token_ids += allowed
+    mask[_index(row_ids, logits.device), _index(token_ids, logits.device)] = False
+    index = _index(limited, logits.device)
+    logits[index] = logits[index].masked_fill_(mask, _NEG_INF)
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    row_ids, token_ids, biases = [], [], []
+    for i, row in enumerate(rows):
+        for token_id, bias in (row.params.logit_bias or {}).items():
+            row_ids.append(i)
+            token_ids.append(token_id)
+            biases.append(bias)
+    if row_ids:
+        values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        where = (_index(row_ids, logits.device), _index(token_ids, logits.device))
+        logits.index_put_(where, values, accumulate=True)
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    row_ids, token_ids = [], []
+    for i, row in enumerate(rows):
+        banned = _min_tokens_banned(row)
+        row_ids += [i] * len(banned)
+        token_ids += banned
+    if row_ids:
+        logits[_index(row_ids, logits.device), _index(token_ids, logits.device)] = _NEG_INF
+
+
+def _min_tokens_banned(row: SamplingRow) -> list[int]:
+    params = row.params
+    if len(row.output_token_ids) >= params.min_tokens:
+        return []
+    banned = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned |= row.eos_token_ids
+    return sorted(banned)
+
+
+def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Mask in place each row's tokens less likely than min_p times its likeliest token."""
+    # Keeps prob >= min_p * max prob: probs [.5, .3, .15, .05], min_p .2 -> the first 3.
+    if all(p.min_p == 0.0 for p in params):
+        return
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * _column([p.min_p for p in params], logits)
+    logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Mask in place each row's tokens outside its top_k, then outside its top_p nucleus."""
+    # Works on a stable descending sort, so among equal logits the lower token id ranks first.
+    # top-k keeps the first k; top-p then keeps the shortest prefix whose (renormalized)
+    # probability reaches top_p: probs [.5, .3, .2], top_p .7 -> [.5, .3].
+    vocab_size = logits.shape[1]
+    top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    top_ps = [p.top_p for p in params]
+    if all(k == vocab_size for k in top_ks) and all(p >= 1.0 for p in top_ps):
+        return
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(vocab_size, device=logits.device)
+    drop = positions >= _index(top_ks, logits.device).unsqueeze(1)
+    if any(p < 1.0 for p in top_ps):
+        probs = sorted_logits.masked_fill(drop, _NEG_INF).softmax(dim=-1)
+        before = torch.zeros_like(probs)
+        before[:, 1:] = probs.cumsum(dim=-1)[:, :-1]
+        top_p = _column(top_ps, logits)
+        drop |= (before >= top_p) & (top_p < 1.0)
+    logits.masked_fill_(torch.empty_like(drop).scatter_(1, order, drop), _NEG_INF)
+
+
+def _raw_logprobs(logits: torch.Tensor,
+                  rows: list[SamplingRow]) -> tuple[list[int], torch.Tensor] | None:
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return None
+    chosen = logits if len(wanted) == len(rows) else logits[_index(wanted, logits.device)]
+    return wanted, chosen.float().log_softmax(dim=-1)
+
+
+def _gather_logprobs(raw: tuple[list[int], torch.Tensor] | None, sampled: list[int],
+                     rows: list[SamplingRow]) -> list[LogprobsRow | None]:
+    out: list[LogprobsRow | None] = [None] * len(rows)
+    if raw is None:
+        return out
+    wanted, logprobs = raw
+    vocab_size = logprobs.shape[1]
+    ks = [_num_logprobs(rows[i].params.logprobs, vocab_size) for i in wanted]
+    sampled_ids = _index([sampled[i] for i in wanted], logprobs.device).unsqueeze(1)
+    sampled_logprobs = logprobs.gather(1, sampled_ids)
+    # vLLM's rank: how many tokens have a logprob >= the sampled one's (ties take the worse rank).
+    ranks = (logprobs >= sampled_logprobs).sum(dim=-1).tolist()
+    top_values, top_ids = logprobs.topk(max(ks), dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    sampled_logprobs = sampled_logprobs.squeeze(1).tolist()
+    for j, i in enumerate(wanted):
+        k = ks[j]
+        out[i] = LogprobsRow(token_ids=[sampled[i]] + top_ids[j][:k],
+                             logprobs=[sampled_logprobs[j]] + top_values[j][:k],
+                             ranks=[ranks[j]] + list(range(1, k + 1)))
+    return out
+
+
+def _num_logprobs(requested: int, vocab_size: int) -> int:
+    # -1 asks for the whole vocabulary.
+    return vocab_size if requested == -1 else min(requested, vocab_size)
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    params = row.params
+    return (params.is_greedy and not _has_penalty(params) and not params.logit_bias
+            and params.allowed_token_ids is None and not _min_tokens_banned(row))
+
+
+def _has_penalty(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0)
+
+
+def _token_counts(seqs: list[Sequence[int]], vocab_size: int, like: torch.Tensor) -> torch.Tensor:
+    # [n, vocab] float counts; ragged rows are padded with the spare id `vocab_size`, then cut off.
+    counts = torch.zeros((len(seqs), vocab_size + 1), dtype=like.dtype, device=like.device)
+    width = max(len(s) for s in seqs)
+    if width:
+        padded = [list(s) + [vocab_size] * (width - len(s)) for s in seqs]
+        ids = _index(padded, like.device)
+        counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=like.dtype, device=like.device))
+    return counts[:, :vocab_size]
+
+
+def _row_generator(row: SamplingRow, device: torch.device) -> torch.Generator:
+    # Seeded by (seed, step): the same seed draws the same tokens in any batch and after a
+    # preemption recomputes the request, since step = len(output_token_ids) is the same again.
+    generator = torch.Generator(device=device)
+    generator.manual_seed(_mix_seed(row.params.seed, len(row.output_token_ids)))
+    return generator
+
+
+def _mix_seed(seed: int, step: int) -> int:
+    # splitmix64 of (seed, step): neighbouring seeds and steps give unrelated streams.
+    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _index(values: list, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
