@@ -1,0 +1,46 @@
+"""What `LLM.generate` returns: vLLM's RequestOutput / CompletionOutput / Logprob shapes."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log probability of one token, its 1-based rank in the vocabulary and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob (the sampled token and the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` sequences generated for a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request (all of its `n` sequences) after an engine step."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
