@@ -1,0 +1,37 @@
+"""vLLM's engine flags on an argparse parser, and back to EngineArgs."""
+
+import argparse
+
+from ascendserve.config import EngineArgs
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that map one to one onto EngineArgs fields (`--max-model-len` -> max_model_len)."""
+    d = EngineArgs()
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--skip-tokenizer-init", action="store_true")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--revision", default=None)
+    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+    parser.add_argument("--device", default=d.device)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from parsed flags (fields not on the namespace keep their defaults)."""
+    names = set(EngineArgs.field_names())
+    kwargs = {k: v for k, v in vars(ns).items() if k in names and k != "model"}
+    args = EngineArgs(model=getattr(ns, "model", None), **kwargs)
+    args.validate()
+    return args

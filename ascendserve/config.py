@@ -1,0 +1,92 @@
+"""Engine configuration: vLLM's engine-argument names, validated once, then read everywhere."""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ascendserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+
+
+@dataclass
+class EngineArgs:
+    """The arguments of `LLM(...)` and of `ascendserve serve`, with vLLM's names and defaults."""
+
+    model: str | None = None  # None: the embedded demo model
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+    dtype: str = "auto"
+    seed: int | None = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool | None = None  # None: on, except where the model cannot support it
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    served_model_name: str | list[str] | None = None
+    hf_overrides: dict[str, Any] | None = None
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """Every accepted argument name."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineArgs":
+        """Build from keyword arguments; an unknown name raises TypeError listing the valid ones."""
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise TypeError(f"unexpected engine argument(s) {unknown}; valid arguments are: "
+                            f"{', '.join(cls.field_names())}")
+        args = cls(model=model, **kwargs)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        """Raise ValueError naming the argument and its allowed range for a bad value."""
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("block_size", self.block_size)
+        _check_positive("max_model_len", self.max_model_len)
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
+        _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size must be 1 for now (parallelism is not implemented "
+                             f"yet), got {self.tensor_parallel_size}")
+
+
+def _check_positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """The resolved configuration the engine runs with (after looking at the checkpoint)."""
+
+    args: EngineArgs
+    model_path: str  # local directory or .gguf file
+    hf_config: Any  # transformers PretrainedConfig of the text model
+    dtype: Any  # torch.dtype
+    max_model_len: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool
+    device: Any = None  # torch.device
+    platform: Any = None
+    served_model_name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)

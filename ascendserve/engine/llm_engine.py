@@ -1,0 +1,137 @@
+"""The synchronous engine: add requests, step, collect RequestOutputs."""
+
+import itertools
+import time
+
+from ascendserve.config import EngineArgs, EngineConfig
+from ascendserve.engine.kv_cache_manager import KVCacheManager
+from ascendserve.engine.outputs import RequestOutput
+from ascendserve.engine.output_processor import OutputProcessor
+from ascendserve.engine.request import Request, RequestStatus
+from ascendserve.engine.sampling_params import SamplingParams
+from ascendserve.engine.scheduler import Scheduler
+from ascendserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    """A prompt does not fit in max_model_len (or in the KV cache)."""
+
+
+class LLMEngine:
+    """Scheduler + model runner + output processor, driven one `step()` at a time."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from ascendserve.loader.model_loader import build_model, eos_token_ids, load_tokenizer
+        from ascendserve.worker.kv_budget import plan_kv_cache
+        from ascendserve.worker.model_runner import ModelRunner
+
+        self.config = config
+        start = time.perf_counter()
+        self.tokenizer = load_tokenizer(config.model_path, config.args)
+        model = build_model(config)
+        self.eos_token_ids = eos_token_ids(config.model_path, self.tokenizer, config.hf_config)
+        num_blocks = plan_kv_cache(config, model)
+        self.runner = ModelRunner(config, model, num_blocks)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.args.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache_manager, config.args.max_num_seqs,
+                                   config.max_num_batched_tokens, config.max_model_len,
+                                   config.args.enable_chunked_prefill)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.vocab_size = config.hf_config.get_text_config().vocab_size
+        self._ids = itertools.count()
+        logger.info("Engine ready in %.1f s: %s, dtype %s, device %s, max_model_len %d",
+                    time.perf_counter() - start, config.served_model_name, config.dtype,
+                    config.device, config.max_model_len)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        """Resolve the configuration and build the engine."""
+        from ascendserve.loader.model_loader import create_engine_config
+        return cls(create_engine_config(args))
+
+    # -- requests ------------------------------------------------------------------------------
+    def next_request_id(self) -> str:
+        """A fresh request id."""
+        return str(next(self._ids))
+
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as str, {"prompt": str} or {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        text = prompt["prompt"] if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str):
+            raise TypeError(f"a prompt must be a str, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
+                            f"got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; pass prompt_token_ids with skip_tokenizer_init")
+        add_special = prompt.get("add_special_tokens", True) if isinstance(prompt, dict) else True
+        return text, self.tokenizer.encode(text, add_special_tokens=add_special)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request (with `params.n` child sequences)."""
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids)
+        params.validate_against(self.vocab_size)
+        max_tokens = self.config.max_model_len - len(token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        children = [Request(f"{i}_{request_id}" if params.n > 1 else request_id, token_ids,
+                            _child_params(params, i), self.eos_token_ids, max_tokens, arrival_time, text)
+                    for i in range(params.n)]
+        self.output_processor.add_request(request_id, text, children)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        """Raise ValueError for an empty prompt, unknown token ids or one that cannot fit."""
+        if not token_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if len(token_ids) >= self.config.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
+                f"{self.config.max_model_len}: it needs at least one more position to generate")
+
+    def abort_request(self, request_ids) -> list[RequestOutput]:
+        """Abort user requests (and all their children), freeing their blocks at once."""
+        outputs = []
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.scheduler.finish_requests(self.output_processor.child_ids(request_id),
+                                           RequestStatus.FINISHED_ABORTED)
+            output = self.output_processor.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return the outputs of the requests that advanced."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty():
+            return []
+        result = self.runner.execute_model(sched)
+        updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+        outputs, stopped = self.output_processor.process(updates, result.logprobs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    if params.n == 1:
+        return params
+    child = params.clone()
+    child.n = 1
+    if child.seed is not None:
+        child.seed = params.seed + index
+    return child

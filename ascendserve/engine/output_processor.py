@@ -1,0 +1,151 @@
+"""Engine updates -> RequestOutputs: detokenize, cut stop strings, gather logprobs, merge `n` children."""
+
+from dataclasses import dataclass, field
+
+from ascendserve.engine.detokenizer import IncrementalDetokenizer, decode_token
+from ascendserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from ascendserve.engine.request import Request
+from ascendserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from ascendserve.engine.scheduler import RequestUpdate
+
+
+@dataclass
+class _ChildState:
+    """Output-side state of one generated sequence."""
+
+    index: int
+    parent_id: str
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    sent_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _ParentState:
+    """A user request: `n` children sharing one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_ChildState] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+class OutputProcessor:
+    """Keeps per-request output state and turns each step's updates into RequestOutputs."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, _ParentState] = {}
+        self.child_to_parent: dict[str, _ChildState] = {}
+
+    def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
+        """Register a user request and its child sequences (already queued in the scheduler)."""
+        first = children[0]
+        parent = _ParentState(parent_id, prompt, first.prompt_token_ids, first.sampling_params)
+        for index, child in enumerate(children):
+            state = _ChildState(index, parent_id, child, self._detokenizer(child), None, None)
+            if child.sampling_params.logprobs is not None:
+                state.logprobs, state.cumulative_logprob = [], 0.0
+            parent.children.append(state)
+            self.child_to_parent[child.request_id] = state
+        self.parents[parent_id] = parent
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
+        params = request.sampling_params
+        if self.tokenizer is None or not params.detokenize:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens, stop=params.stop or (),
+            include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        """Scheduler request ids of a user request's children."""
+        parent = self.parents.get(parent_id)
+        return [c.request.request_id for c in parent.children] if parent else []
+
+    def process(self, updates: list[RequestUpdate], logprobs: dict) -> tuple[list[RequestOutput], list[str]]:
+        """RequestOutputs for the touched user requests, and child ids newly stopped by a stop string."""
+        touched: dict[str, None] = {}  # parent ids in first-touched order
+        stopped_by_string = []
+        for update in updates:
+            state = self.child_to_parent.get(update.request.request_id)
+            if state is None:
+                continue
+            if self._apply(state, update, logprobs.get(update.request.request_id)):
+                stopped_by_string.append(update.request.request_id)
+            touched[state.parent_id] = None
+        outputs = [self._make_output(self.parents[p]) for p in touched]
+        return [o for o in outputs if o is not None], stopped_by_string
+
+    def abort(self, parent_id: str) -> RequestOutput | None:
+        """Mark every unfinished child aborted and return the final output."""
+        parent = self.parents.get(parent_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            if child.finish_reason is None:
+                child.finish_reason = "abort"
+        return self._make_output(parent)
+
+    def _apply(self, state: _ChildState, update: RequestUpdate, row) -> bool:
+        request = update.request
+        if row is not None and state.logprobs is not None:
+            state.logprobs.append(self._logprob_dict(row))
+            state.cumulative_logprob += row.logprobs[0]
+        stop_str = None
+        if state.detokenizer is not None:
+            stop_terminated = update.finished and request.get_finish_reason() == "stop"
+            stop_str = state.detokenizer.update(update.new_token_ids, stop_terminated)
+        if stop_str is not None and not update.finished:
+            state.finish_reason, state.stop_reason = "stop", stop_str
+            return True
+        if update.finished:
+            state.finish_reason, state.stop_reason = request.get_finish_reason(), request.stop_reason
+        return False
+
+    def _logprob_dict(self, row) -> dict[int, Logprob]:
+        out: dict[int, Logprob] = {}
+        for token_id, logprob, rank in zip(row.token_ids, row.logprobs, row.ranks):
+            if token_id not in out:
+                text = decode_token(self.tokenizer, token_id) if self.tokenizer is not None else None
+                out[token_id] = Logprob(logprob, rank, text)
+        return out
+
+    def _make_output(self, parent: _ParentState) -> RequestOutput | None:
+        finished = parent.finished()
+        kind = parent.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        completions = [self._completion(c, delta, finished) for c in parent.children
+                       if not delta or c.sent_tokens < c.request.num_output_tokens or c.finish_reason]
+        if finished:
+            self.forget(parent.request_id)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
+                             finished, num_cached_tokens=max(parent.children[0].request.num_cached_tokens, 0))
+
+    def _completion(self, c: _ChildState, delta: bool, finished: bool) -> CompletionOutput:
+        tokens = c.request.output_token_ids
+        start = c.sent_tokens if delta else 0
+        c.sent_tokens = len(tokens)
+        text = ""
+        if c.detokenizer is not None:
+            text = c.detokenizer.get_next_output_text(c.finish_reason is not None, delta)
+        logprobs = c.logprobs[start:] if c.logprobs is not None else None
+        return CompletionOutput(c.index, text, list(tokens[start:]), c.cumulative_logprob, logprobs,
+                                c.finish_reason, c.stop_reason)
+
+    def forget(self, parent_id: str) -> None:
+        """Drop all state of a finished or aborted user request."""
+        parent = self.parents.pop(parent_id, None)
+        for child in parent.children if parent else []:
+            self.child_to_parent.pop(child.request.request_id, None)

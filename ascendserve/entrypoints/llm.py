@@ -1,0 +1,84 @@
+"""The offline API: `LLM(model, **engine_args).generate(...)` / `.chat(...)`, as in vLLM."""
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from ascendserve.config import EngineArgs
+from ascendserve.engine.llm_engine import LLMEngine
+from ascendserve.engine.outputs import RequestOutput
+from ascendserve.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate from prompts with a continuously batched engine; takes vLLM's engine arguments."""
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, **engine_args))
+
+    def get_tokenizer(self):
+        """The tokenizer the engine uses."""
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        prompts = _as_list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompts))
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.next_request_id())
+                engine.add_request(ids[-1], prompt, p)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list | None = None) -> list[RequestOutput]:
+        """Render one conversation (list of messages) or many with the chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, chat_template=chat_template, tools=tools,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "add_special_tokens": False})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            try:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+            except BaseException:
+                engine.abort_request([i for i in ids if i not in finished])
+                raise
+        return [finished[i] for i in ids]
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    return list(prompts)
+
+
+def _params_per_prompt(params, num: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * num
+    if isinstance(params, SamplingParams):
+        return [params] * num
+    params = list(params)
+    if len(params) != num:
+        raise ValueError(f"sampling_params has {len(params)} entries for {num} prompts; give one or one per prompt")
+    return params

@@ -1,0 +1,56 @@
+"""Rotary position embedding with the inverse frequencies transformers computes for each rope type."""
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+# Rope types whose frequencies do not depend on the running sequence length.
+STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional"}
+
+
+def default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    """1 / base^(2i/dim) for i < dim/2, as the original RoPE."""
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+def rope_inv_freq(config, rotary_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_scaling) for `config.rope_parameters`, via transformers' own functions."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported yet; supported: {sorted(STATIC_ROPE_TYPES)}")
+    if rope_type == "default":
+        return default_inv_freq(params.get("rope_theta", 10000.0), rotary_dim), 1.0
+    return ROPE_INIT_FUNCTIONS[rope_type](config)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE over the first `rotary_dim` channels of each head."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_position: int) -> None:
+        super().__init__()
+        self.rotary_dim = inv_freq.numel() * 2
+        positions = torch.arange(max_position, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotate q [T, Hq, D] and k [T, Hk, D] by their token positions [T]."""
+        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
+        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
+        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    if rotary_dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)

@@ -1,0 +1,162 @@
+"""From engine arguments to a resolved EngineConfig, a tokenizer and a model with its weights."""
+
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from ascendserve.config import EngineArgs, EngineConfig
+from ascendserve.logger import init_logger
+from ascendserve.platforms import get_platform
+
+logger = init_logger(__name__)
+
+_DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "half": torch.float16}
+
+
+def _is_gguf(path: str) -> bool:
+    from ascendserve.loader.gguf_loader import is_gguf
+    return is_gguf(path)
+
+
+def resolve_model(args: EngineArgs) -> str:
+    """Local path of the model: the demo GGUF when no model is given, else vLLM's resolution order."""
+    if args.model is None:
+        from ascendserve.loader.demo import get_demo_model_path
+        return get_demo_model_path()
+    if os.path.isdir(args.model):  # TEMP until resolve lands
+        return args.model
+    from ascendserve.loader.resolve import resolve_model_path
+    return resolve_model_path(args.model, revision=args.revision)
+
+
+def load_hf_config(path: str, args: EngineArgs):
+    """The transformers config of the (text) model at `path`."""
+    if _is_gguf(path):
+        from ascendserve.loader.gguf_loader import load_gguf_config
+        config = load_gguf_config(path)
+    else:
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    for key, value in (args.hf_overrides or {}).items():
+        setattr(config, key, value)
+    return config
+
+
+def load_tokenizer(path: str, args: EngineArgs):
+    """The tokenizer from `args.tokenizer`, else from the model (None with skip_tokenizer_init)."""
+    if args.skip_tokenizer_init:
+        return None
+    source = args.tokenizer or path
+    if _is_gguf(source):
+        from ascendserve.loader.gguf_loader import load_gguf_tokenizer
+        return load_gguf_tokenizer(source)
+    from transformers import AutoTokenizer
+    if args.tokenizer is not None and not os.path.exists(args.tokenizer):
+        from ascendserve.loader.resolve import resolve_model_path
+        source = resolve_model_path(args.tokenizer, revision=args.revision)
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+
+
+def eos_token_ids(path: str, tokenizer, hf_config) -> frozenset[int]:
+    """Stop ids: generation_config.json's eos_token_id (int or list), else the tokenizer's eos."""
+    ids: set[int] = set()
+    gen_path = os.path.join(path, "generation_config.json") if os.path.isdir(path) else None
+    if gen_path and os.path.exists(gen_path):
+        with open(gen_path) as f:
+            ids |= _as_id_set(json.load(f).get("eos_token_id"))
+    if not ids:
+        ids |= _as_id_set(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _as_id_set(value) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
+
+
+def create_engine_config(args: EngineArgs) -> EngineConfig:
+    """Resolve the model, read its config and settle dtype, lengths and caching."""
+    platform = get_platform(args.device)
+    path = resolve_model(args)
+    hf_config = load_hf_config(path, args)
+    text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    dtype = _resolve_dtype(args.dtype, text_config, platform)
+    max_model_len = _resolve_max_model_len(args.max_model_len, text_config)
+    budget = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else max_model_len)
+    if not args.enable_chunked_prefill and budget < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
+                         f"({max_model_len}) with chunked prefill disabled: a long prompt could never "
+                         f"be scheduled; raise max_num_batched_tokens or enable chunked prefill")
+    names = args.served_model_name or args.model or _demo_name()
+    served = names[0] if isinstance(names, list) else names
+    return EngineConfig(args=args, model_path=path, hf_config=hf_config, dtype=dtype,
+                        max_model_len=max_model_len, max_num_batched_tokens=budget,
+                        enable_prefix_caching=args.enable_prefix_caching is not False,
+                        device=platform.device(), platform=platform, served_model_name=served)
+
+
+def _demo_name() -> str:
+    from ascendserve.loader.demo import DEMO_MODEL
+    return DEMO_MODEL
+
+
+def _resolve_dtype(name: str, text_config, platform) -> torch.dtype:
+    if name != "auto":
+        return platform.check_dtype(_DTYPE_NAMES[name])
+    declared = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = _DTYPE_NAMES.get(declared)
+    return platform.default_dtype(declared)
+
+
+def _resolve_max_model_len(requested: int | None, text_config) -> int:
+    limit = getattr(text_config, "max_position_embeddings", None)
+    if requested is None:
+        if limit is None:
+            raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
+        return limit
+    if limit is not None and requested > limit:
+        raise ValueError(f"max_model_len ({requested}) is larger than the model's "
+                         f"max_position_embeddings ({limit}); lower max_model_len")
+    return requested
+
+
+def iter_safetensors(path: str):
+    """(name, tensor) for every tensor of every *.safetensors file in the directory `path`."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def iter_weights(path: str):
+    """Checkpoint tensors from a GGUF file or a directory of safetensors, with HF names."""
+    if _is_gguf(path):
+        from ascendserve.loader.gguf_loader import iter_gguf_weights
+        return iter_gguf_weights(path)
+    return iter_safetensors(path)
+
+
+def build_model(config: EngineConfig) -> torch.nn.Module:
+    """Instantiate the registered model class on the device and load the checkpoint into it."""
+    from ascendserve.models.registry import get_model_class
+    cls = get_model_class(getattr(config.hf_config, "architectures", None))
+    with torch.device(config.device):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(config.dtype)
+        try:
+            model = cls(config.hf_config)
+        finally:
+            torch.set_default_dtype(default)
+    model.load_weights(iter_weights(config.model_path))
+    return model.eval()

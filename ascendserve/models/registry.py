@@ -1,0 +1,25 @@
+"""Architecture name (config.architectures[0]) -> model class."""
+
+import importlib
+
+# name -> (module under ascendserve.models, class name)
+_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    """Every architecture name the engine can run."""
+    return sorted(_MODELS)
+
+
+def get_model_class(architectures: list[str] | None):
+    """The class for the first supported name in `architectures`; ValueError naming them if none."""
+    for arch in architectures or []:
+        if arch in _MODELS:
+            module, cls = _MODELS[arch]
+            return getattr(importlib.import_module(f"ascendserve.models.{module}"), cls)
+    raise ValueError(f"model architectures {architectures} are not supported; "
+                     f"supported: {supported_architectures()}")

@@ -1,0 +1,54 @@
+"""CPU: the reference path every other platform is compared with."""
+
+import os
+
+import torch
+
+from ascendserve.logger import init_logger
+from ascendserve.platforms.interface import Platform
+
+logger = init_logger(__name__)
+
+# Default KV pool on CPU: a quarter of the memory available now, at most 4 GiB (vLLM's CPU backend
+# also defaults to a fixed few GiB, not a share of all RAM, since RAM is shared with everything else).
+CPU_KV_CACHE_FRACTION = 0.25
+CPU_KV_CACHE_MAX_BYTES = 4 << 30
+
+
+class CpuPlatform(Platform):
+    """Plain torch on the host."""
+
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+
+    def is_available(self) -> bool:
+        return True
+
+    def device(self, index: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def default_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        # fp16 matmuls are slow or missing on most CPUs; bf16 is the CPU half type.
+        if checkpoint_dtype == torch.float16:
+            return torch.bfloat16
+        return checkpoint_dtype or torch.float32
+
+    def check_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if dtype == torch.float16:
+            logger.warning("float16 is slow on CPU; using bfloat16 instead")
+            return torch.bfloat16
+        return super().check_dtype(dtype)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        try:
+            with open("/proc/meminfo") as f:
+                info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+            return info.get("MemAvailable", pages), info.get("MemTotal", pages)
+        except OSError:
+            return pages, pages
+
+    def default_kv_cache_bytes(self, gpu_memory_utilization: float, weight_bytes: int) -> int:
+        free, _ = self.mem_get_info()
+        return int(min(free * CPU_KV_CACHE_FRACTION, CPU_KV_CACHE_MAX_BYTES))
