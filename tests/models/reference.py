@@ -40,9 +40,10 @@ class Reference:
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> Reference:
     """transformers' own forward pass, one prompt at a time (no padding), greedy."""
+    model.generation_config.eos_token_id = None  # like ignore_eos: never stop, never mask EOS
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+                         max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt):].tolist()
     logprobs, gaps = [], []
     for step, logits in enumerate(out.logits):

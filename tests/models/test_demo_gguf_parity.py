@@ -1,0 +1,37 @@
+"""The embedded demo model (SmolLM2-135M Q4_1 GGUF) against transformers loading the same file."""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ascendserve import LLM, SamplingParams
+from ascendserve.loader.demo import get_demo_model_path
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "List three prime numbers:", "def fibonacci(n):"]
+MAX_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def demo_path():
+    return get_demo_model_path()
+
+
+def test_demo_greedy_matches_transformers(demo_path):
+    llm = LLM(None, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    ours = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+
+    directory, name = os.path.split(demo_path)
+    ref_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    ref_model.generation_config.eos_token_id = None  # like ignore_eos: never stop, never mask EOS
+    for ids, out in zip(prompt_ids, ours):
+        with torch.no_grad():
+            ref = ref_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+    assert "Paris" in ours[0].outputs[0].text
