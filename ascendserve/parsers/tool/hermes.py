@@ -1,0 +1,81 @@
+"""Hermes-style JSON tool calls (`--tool-call-parser hermes`).
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+"""
+
+import json
+import re
+from typing import Any
+
+from ascendserve.entrypoints.openai.protocol import ChatCompletionRequest
+from ascendserve.logger import init_logger
+from ascendserve.parsers.tool.abs_tool_parser import StreamedCall, ToolParser
+from ascendserve.parsers.tool.schema_types import dump_arguments
+
+logger = init_logger(__name__)
+
+TOOL_CALL_START = "<tool_call>"
+
+_BLOCK_RE = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.DOTALL)
+# The name, when the object starts with it, can be sent before the arguments are complete.
+_LEADING_NAME_RE = re.compile(r'\A\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
+class Hermes2ProToolParser(ToolParser):
+    """Tool calls as JSON objects inside `<tool_call>` tags; arguments stream when a call closes."""
+
+    start_markers = (TOOL_CALL_START,)
+
+    def find_tool_calls_start(self, text: str, search_from: int) -> int | None:
+        """The first `<tool_call>`."""
+        start = text.find(TOOL_CALL_START, search_from)
+        return start if start >= 0 else None
+
+    def parse_calls(self, region: str, request: ChatCompletionRequest | None, final: bool) -> list[StreamedCall]:
+        """One call per `<tool_call>` block; a block that is not a JSON call object is dropped."""
+        calls = []
+        for match in _BLOCK_RE.finditer(region):
+            body = match.group(1)
+            if final or match.group(2):
+                call = _parse_block(body)
+            else:
+                call = StreamedCall(name=_leading_name(body))
+            if call is not None:
+                calls.append(call)
+        return calls
+
+
+def _leading_name(body: str) -> str | None:
+    leading = _LEADING_NAME_RE.match(body)
+    if leading is None:
+        return None
+    try:
+        return json.loads(f'"{leading.group(1)}"') or None
+    except ValueError:
+        return None
+
+
+def _parse_block(body: str) -> StreamedCall | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        logger.debug("tool call %r is not JSON; dropped", body)
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    arguments = _decode_string_arguments(arguments)
+    return StreamedCall(name=obj["name"], stable_arguments=dump_arguments(arguments), arguments=arguments)
+
+
+def _decode_string_arguments(arguments: Any) -> Any:
+    # Some models send the arguments object JSON-encoded a second time.
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return decoded if isinstance(decoded, dict) else arguments
+    return arguments
