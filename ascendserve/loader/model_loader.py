@@ -27,8 +27,6 @@ def resolve_model(args: EngineArgs) -> str:
     if args.model is None:
         from ascendserve.loader.demo import get_demo_model_path
         return get_demo_model_path()
-    if os.path.isdir(args.model):  # TEMP until resolve lands
-        return args.model
     from ascendserve.loader.resolve import resolve_model_path
     return resolve_model_path(args.model, revision=args.revision)
 
@@ -98,8 +96,25 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     served = names[0] if isinstance(names, list) else names
     return EngineConfig(args=args, model_path=path, hf_config=hf_config, dtype=dtype,
                         max_model_len=max_model_len, max_num_batched_tokens=budget,
-                        enable_prefix_caching=args.enable_prefix_caching is not False,
+                        enable_prefix_caching=_resolve_prefix_caching(args.enable_prefix_caching, text_config),
                         device=platform.device(), platform=platform, served_model_name=served)
+
+
+def _resolve_prefix_caching(requested: bool | None, text_config) -> bool:
+    """On unless turned off, except for hybrid models (recurrent layers), where it is always off.
+
+    A prefix hit on a hybrid model would need the recurrent state at the prefix boundary, which
+    is not kept yet: reusing only the KV blocks would be silently wrong.
+    """
+    if "linear_attention" not in (getattr(text_config, "layer_types", None) or ()):
+        return requested is not False
+    if requested:
+        logger.warning("enable_prefix_caching is ignored: this model has recurrent (Gated DeltaNet) layers, "
+                       "and prefix caching for them needs recurrent-state checkpoints, which are not "
+                       "implemented yet; running without prefix caching")
+    elif requested is None:
+        logger.info("Prefix caching is off: the model has recurrent (Gated DeltaNet) layers")
+    return False
 
 
 def _demo_name() -> str:

@@ -1,0 +1,144 @@
+"""The offline LLM API on the real demo model: shapes, argument errors, stops, seeds, n, logprobs, chat."""
+
+import math
+
+import pytest
+
+from ascendserve import LLM, SamplingParams
+from ascendserve.engine.llm_engine import PromptTooLongError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(kv_cache_memory_bytes=128 << 20, max_model_len=1024, max_num_batched_tokens=512)
+
+
+def pool_is_idle(llm):
+    free, cached, in_use = llm.llm_engine.kv_cache_manager.pool.counts()
+    return in_use == 0 and free + cached == llm.llm_engine.kv_cache_manager.num_blocks
+
+
+def test_unknown_engine_argument_lists_valid_ones():
+    with pytest.raises(TypeError, match="max_num_seqs"):
+        LLM(max_num_seq=4)
+
+
+@pytest.mark.parametrize("kwargs, field", [({"dtype": "int8"}, "dtype"), ({"max_num_seqs": 0}, "max_num_seqs"),
+                                           ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+                                           ({"block_size": -1}, "block_size")])
+def test_bad_engine_argument_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(**kwargs)
+
+
+def test_prompt_forms_and_order(llm):
+    tok = llm.get_tokenizer()
+    text = "The capital of France is"
+    outs = llm.generate([text, {"prompt": text}, {"prompt_token_ids": tok.encode(text)}, "1, 2, 3,"],
+                        GREEDY, use_tqdm=False)
+    assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    assert outs[0].prompt == text and outs[0].prompt_token_ids == tok.encode(text)
+    assert outs[0].finished and outs[0].outputs[0].finish_reason in ("stop", "length")
+    single = llm.generate(text, GREEDY, use_tqdm=False)
+    assert len(single) == 1 and single[0].outputs[0].text == outs[0].outputs[0].text
+    assert pool_is_idle(llm)
+
+
+def test_params_per_prompt(llm):
+    outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=3, ignore_eos=True),
+                                     SamplingParams(max_tokens=5, ignore_eos=True)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+
+
+def test_bad_prompts_raise_clear_errors(llm):
+    with pytest.raises(PromptTooLongError, match="max_model_len is 1024"):
+        llm.generate({"prompt_token_ids": [1] * 1024}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"\[0, 49152\)"):
+        llm.generate({"prompt_token_ids": [10**6]}, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests() and pool_is_idle(llm)
+
+
+def test_stop_strings_cut_text(llm):
+    base = llm.generate("Count: one, two, three,", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    # a stop string made of the middle of the greedy text, spanning whatever token boundaries it has
+    stop = base.text[5:9]
+    assert stop.strip(), base.text
+    cut = llm.generate("Count: one, two, three,", SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.text == base.text[:base.text.index(stop)]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
+    kept = llm.generate("Count: one, two, three,", SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                                                   include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == base.text[:base.text.index(stop) + len(stop)]
+    assert pool_is_idle(llm)
+
+
+def test_stop_token_ids(llm):
+    base = llm.generate("Count: one, two, three,", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    target = base.token_ids[4]
+    out = llm.generate("Count: one, two, three,", SamplingParams(temperature=0, max_tokens=12,
+                                                                  stop_token_ids=[target]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[:base.token_ids.index(target) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", target)
+
+
+def test_seed_reproducible_whatever_the_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate("Tell me a story", params, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True)
+    mixed = llm.generate(["Hello there", "Tell me a story", "Why is the sky blue?"], [others, params, others],
+                         use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+    other_seed = llm.generate("Tell me a story", SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16,
+                                                                 seed=99, ignore_eos=True), use_tqdm=False)
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_n_samples_share_the_prompt_blocks(llm):
+    kv = llm.llm_engine.kv_cache_manager
+    hits_before = kv.num_hits
+    prompt = "Write one sentence about the ocean. " * 8  # several full blocks
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different seeds per sample
+    n_prompt = len(out.prompt_token_ids)
+    full_blocks = (n_prompt - 1) // 16
+    assert kv.num_hits - hits_before >= 2 * full_blocks * 16  # samples 2 and 3 reuse sample 1's blocks
+    assert pool_is_idle(llm)
+
+
+def test_logprobs_shape(llm):
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    total = 0.0
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and 3 <= len(entry) <= 4
+        assert entry[token].rank == 1  # greedy: the sampled token is the best
+        assert sorted(e.rank for e in entry.values())[:3] == [1, 2, 3]
+        assert all(isinstance(e.decoded_token, str) for e in entry.values())
+        total += entry[token].logprob
+    assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-6)
+
+
+def test_chat_uses_the_checkpoint_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+    two = llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "What is 2+2?"}]],
+                   SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert len(two) == 2
