@@ -10,6 +10,7 @@ from ascendserve.engine.output_processor import OutputProcessor
 from ascendserve.engine.request import Request, RequestStatus
 from ascendserve.engine.sampling_params import SamplingParams
 from ascendserve.engine.scheduler import Scheduler
+from ascendserve.engine.state_cache_manager import StateCacheManager
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -35,9 +36,11 @@ class LLMEngine:
         num_blocks = plan_kv_cache(config, model)
         self.runner = ModelRunner(config, model, num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.args.block_size, config.enable_prefix_caching)
+        self.state_cache_manager = (StateCacheManager(self.runner.num_state_slots)
+                                    if self.runner.num_state_slots else None)
         self.scheduler = Scheduler(self.kv_cache_manager, config.args.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
-                                   config.args.enable_chunked_prefill)
+                                   config.args.enable_chunked_prefill, self.state_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = config.hf_config.get_text_config().vocab_size
         self._ids = itertools.count()

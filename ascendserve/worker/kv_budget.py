@@ -1,10 +1,14 @@
-"""How many KV blocks to allocate, and a clear error when one max_model_len request cannot fit."""
+"""How many KV blocks to allocate, and a clear error when one max_model_len request cannot fit.
+
+One budget covers both pools of a hybrid model: the state pool (max_num_seqs slots, one per
+running request) is taken first, the KV blocks get the rest.
+"""
 
 import torch
 
 from ascendserve.config import EngineConfig
 from ascendserve.logger import init_logger
-from ascendserve.worker.model_runner import kv_cache_bytes_per_block
+from ascendserve.worker.model_runner import is_hybrid, kv_cache_bytes_per_block, state_cache_bytes_per_slot
 
 logger = init_logger(__name__)
 
@@ -12,7 +16,7 @@ GiB = 1 << 30
 
 
 class KVCacheTooSmallError(ValueError):
-    """The KV pool cannot hold a single request of max_model_len tokens."""
+    """The KV pool cannot hold a single request of max_model_len tokens, or the state pool does not fit."""
 
 
 def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
@@ -20,6 +24,12 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
     args = config.args
     spec = model.kv_cache_spec()
     per_block = kv_cache_bytes_per_block(spec, args.block_size, config.dtype)
+    per_slot = state_cache_bytes_per_slot(model.state_cache_spec(), config.dtype) if is_hybrid(model) else 0
+    state_bytes = args.max_num_seqs * per_slot
+    state_note = ""
+    if state_bytes:
+        state_note = (f"; state cache: {args.max_num_seqs} slots (max_num_seqs) x {per_slot} bytes = "
+                      f"{_size(state_bytes)} (conv states in {config.dtype}, recurrent states in float32)")
     if args.num_gpu_blocks_override is not None:
         num_blocks, source = args.num_gpu_blocks_override, "num_gpu_blocks_override"
     else:
@@ -29,17 +39,29 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
             weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             budget = config.platform.default_kv_cache_bytes(args.gpu_memory_utilization, weight_bytes)
             source = f"{config.platform.name} default"
-        num_blocks = max(budget // per_block, 0)
+        if state_bytes > budget:
+            raise KVCacheTooSmallError(
+                f"the state pool of {args.max_num_seqs} slots (max_num_seqs) x {per_slot} bytes needs "
+                f"{_size(state_bytes)}, more than the whole cache budget of {_size(budget)} (from {source}); "
+                f"lower max_num_seqs or give the cache more memory")
+        num_blocks = max((budget - state_bytes) // per_block, 0)
+        if state_bytes:
+            source += " minus the state pool"
     needed = -(-config.max_model_len // args.block_size)
     logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %.2f GiB (%s, %d layers); "
-                "%.1f requests of max_model_len %d fit at once", source, num_blocks, args.block_size,
+                "%.1f requests of max_model_len %d fit at once%s", source, num_blocks, args.block_size,
                 num_blocks * args.block_size, num_blocks * per_block / GiB, config.dtype,
-                spec["num_layers"], num_blocks / needed, config.max_model_len)
+                spec["num_layers"], num_blocks / needed, config.max_model_len, state_note)
     if num_blocks < needed:
         raise KVCacheTooSmallError(
             f"the KV cache holds {num_blocks} blocks ({num_blocks * args.block_size} tokens, "
             f"{num_blocks * per_block / GiB:.2f} GiB, from {source}) but one request of "
             f"max_model_len={config.max_model_len} needs {needed} blocks ({needed * per_block / GiB:.2f} GiB); "
             f"lower max_model_len or give the cache more memory (kv_cache_memory_bytes, "
-            f"num_gpu_blocks_override or gpu_memory_utilization)")
+            f"num_gpu_blocks_override or gpu_memory_utilization)" + (" or lower max_num_seqs" if state_bytes else ""))
     return num_blocks
+
+
+def _size(num_bytes: int) -> str:
+    """GiB, or MiB below a tenth of a GiB, so small pools do not read as 0.00 GiB."""
+    return f"{num_bytes / GiB:.2f} GiB" if num_bytes >= GiB // 10 else f"{num_bytes / (1 << 20):.2f} MiB"

@@ -1,6 +1,7 @@
 """Turns a SchedulerOutput into tensors, runs the model, samples one token per finishing request."""
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -21,8 +22,54 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsRow]
 
 
+@dataclass
+class StateMetadata:
+    """Which state slot each sequence reads and writes this step; built once, shared by all recurrent layers.
+
+    Single-token steps that continue a state (start_pos > 0) are decodes and run the recurrent
+    kernel; every other sequence (a prompt, a prefill chunk, a 1-token prompt) runs the chunked
+    kernel, from its slot or from zeros when has_initial_state is False (start_pos == 0: a new or
+    a preempted request, whose slot may hold another request's leftovers). Example: query_lens
+    [1, 5, 3], start_positions [9, 0, 64], slots [2, 0, 1] -> decode rows [0], slots [2]; prefill
+    rows [1..8], cu_seqlens [0, 5, 8], slots [0, 1], has_initial_state [False, True].
+    """
+
+    decode_token_idx: torch.Tensor | None  # [Bd] rows of the decodes; None if there are none
+    decode_slots: torch.Tensor | None  # [Bd]
+    prefill_token_idx: torch.Tensor | None  # [Tp] rows of the prefills; None if they are all rows, in order
+    prefill_cu_seqlens: torch.Tensor | None  # [Bp + 1] over the prefill rows; None if no prefill
+    prefill_slots: torch.Tensor | None  # [Bp]
+    prefill_has_initial_state: torch.Tensor | None  # [Bp] bool
+
+
+def build_state_metadata(query_lens: list[int], start_positions: list[int], slots: list[int],
+                         device: torch.device) -> StateMetadata:
+    """Split the step's sequences into decodes and prefills for the recurrent layers."""
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    decode_rows, decode_slots, prefill_rows, prefill = [], [], [], []
+    row = 0
+    for q_len, start, slot in zip(query_lens, start_positions, slots):
+        if q_len == 1 and start > 0:
+            decode_rows.append(row)
+            decode_slots.append(slot)
+        else:
+            prefill_rows.extend(range(row, row + q_len))
+            prefill.append((q_len, slot, start > 0))
+        row += q_len
+    meta = StateMetadata(None, None, None, None, None, None)
+    if decode_rows:
+        meta.decode_token_idx, meta.decode_slots = as_long(decode_rows), as_long(decode_slots)
+    if prefill:
+        lens, prefill_slots, has_initial = zip(*prefill)
+        meta.prefill_token_idx = as_long(prefill_rows) if decode_rows else None
+        meta.prefill_cu_seqlens = as_long([0, *accumulate(lens)])
+        meta.prefill_slots = as_long(prefill_slots)
+        meta.prefill_has_initial_state = torch.tensor(has_initial, dtype=torch.bool, device=device)
+    return meta
+
+
 class ModelRunner:
-    """Owns the model, its KV cache tensors and the sampler on one device."""
+    """Owns the model, its KV cache tensors (and state pools of a hybrid model) and the sampler on one device."""
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int) -> None:
         self.config = config
@@ -32,6 +79,12 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.args.seed)
         self.kv_caches = allocate_kv_caches(model.kv_cache_spec(), num_blocks, self.block_size,
                                             config.dtype, self.device)
+        # Hybrid models (Gated DeltaNet): one state slot per running request, max_num_seqs slots.
+        self.num_state_slots = config.args.max_num_seqs if is_hybrid(model) else 0
+        self.state_caches = None
+        if self.num_state_slots:
+            self.state_caches = allocate_state_caches(model.state_cache_spec(), self.num_state_slots,
+                                                      config.dtype, self.device)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -39,10 +92,16 @@ class ModelRunner:
         if sched.is_empty():
             return ModelRunnerOutput({}, {})
         input_ids, positions, logits_rows, sampling = self._prepare_inputs(sched)
-        meta = build_attention_metadata(
-            [len(s.token_ids) for s in sched.scheduled], [s.start_pos for s in sched.scheduled],
-            [s.block_ids for s in sched.scheduled], self.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        query_lens = [len(s.token_ids) for s in sched.scheduled]
+        starts = [s.start_pos for s in sched.scheduled]
+        meta = build_attention_metadata(query_lens, starts, [s.block_ids for s in sched.scheduled],
+                                        self.block_size, self.device)
+        if self.state_caches is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        else:
+            state_meta = build_state_metadata(query_lens, starts, [s.state_slot for s in sched.scheduled],
+                                              self.device)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.state_caches, state_meta)
         if not logits_rows:
             return ModelRunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[logits_rows])
@@ -76,3 +135,23 @@ def allocate_kv_caches(spec: dict, num_blocks: int, block_size: int, dtype: torc
     """One zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per attention layer."""
     shape = (2, num_blocks, block_size, spec["num_kv_heads"], spec["head_dim"])
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec["num_layers"])]
+
+
+def is_hybrid(model: torch.nn.Module) -> bool:
+    """True for models with recurrent layers that need a state slot per running request."""
+    return hasattr(model, "state_cache_spec")
+
+
+def state_cache_bytes_per_slot(spec: dict, dtype: torch.dtype) -> int:
+    """Bytes one state slot takes over all recurrent layers (conv state in `dtype`, recurrent state in fp32)."""
+    conv = torch.Size(spec["conv_shape"]).numel() * torch.tensor([], dtype=dtype).element_size()
+    ssm = torch.Size(spec["ssm_shape"]).numel() * torch.tensor([], dtype=spec["ssm_dtype"]).element_size()
+    return spec["num_layers"] * (conv + ssm)
+
+
+def allocate_state_caches(spec: dict, num_slots: int, dtype: torch.dtype,
+                          device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(conv [num_slots, C, K-1], recurrent [num_slots, Hv, dk, dv] fp32) zeroed, per recurrent layer."""
+    return [(torch.zeros(num_slots, *spec["conv_shape"], dtype=dtype, device=device),
+             torch.zeros(num_slots, *spec["ssm_shape"], dtype=spec["ssm_dtype"], device=device))
+            for _ in range(spec["num_layers"])]

@@ -1,0 +1,239 @@
+"""Qwen3.5 (dense, MoE, composite VL checkpoint) against transformers on tiny random checkpoints.
+
+Every engine path that touches the recurrent state is exercised: chunked prefill with budgets that
+do and do not align with the delta rule's 64-token chunks, recompute preemption into a fresh state
+slot, and requests joining while others decode (with few slots, so slots are reused).
+"""
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+from ascendserve import LLM, SamplingParams
+from ascendserve.config import EngineArgs
+from ascendserve.engine.llm_engine import LLMEngine
+from ascendserve.layers.mrope import MRotaryEmbedding, interleaved_axis_of_slots
+from ascendserve.worker.kv_budget import KVCacheTooSmallError
+from ascendserve.worker.model_runner import build_state_metadata
+from tests.models.reference import assert_matches, hf_greedy, make_prompts
+
+VOCAB = 512
+MAX_NEW = 8
+LENGTHS = [1, 7, 64, 65, 130, 300]  # crosses multiples of 64 (the delta-rule chunk) and of 16 (blocks)
+ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=512,
+            rms_norm_eps=1e-6, rope_parameters=ROPE)  # layers: 3 Gated DeltaNet + 1 full attention
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+              spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+
+
+def randomize_(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
+    """Every parameter random: (1 + w) norms, A_log, dt_bias and conv weights around 0, the gated norm around 1."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            values = torch.randn(param.shape, generator=gen) * std
+            if name.endswith("linear_attn.norm.weight"):  # the one plain-weight RMSNorm
+                values += 1.0
+            param.copy_(values)
+
+
+def build(kind: str):
+    """(transformers model, architecture name) of a tiny random checkpoint."""
+    if kind == "dense":
+        config = Qwen3_5TextConfig(**TEXT, intermediate_size=128, tie_word_embeddings=True)
+        arch = "Qwen3_5ForCausalLM"
+    elif kind == "moe":
+        config = Qwen3_5MoeTextConfig(**TEXT, **MOE, tie_word_embeddings=False)
+        arch = "Qwen3_5MoeForCausalLM"
+    else:
+        config = Qwen3_5Config(text_config={**TEXT, "intermediate_size": 128}, vision_config=VISION,
+                               tie_word_embeddings=False)
+        arch = "Qwen3_5ForConditionalGeneration"
+    config.architectures = [arch]
+    torch.manual_seed(0)
+    if kind == "vl":
+        model = Qwen3_5ForConditionalGeneration(config).to(torch.float32).eval()
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize_(model, seed=1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """kind -> (path, prompts, transformers references), each built on first use."""
+    cache = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            model = build(kind)
+            path = tmp_path_factory.mktemp(kind)
+            model.save_pretrained(path)
+            names = load_file(os.path.join(path, "model.safetensors")).keys()
+            if kind == "vl":  # the real composite layout
+                assert any(n.startswith("model.language_model.layers.") for n in names)
+                assert any(n.startswith("model.visual.") for n in names)
+            prompts = make_prompts(VOCAB, LENGTHS, seed=2)
+            cache[kind] = str(path), prompts, [hf_greedy(model, p, MAX_NEW) for p in prompts]
+        return cache[kind]
+    return get
+
+
+def _llm(path, **engine_args):
+    return LLM(path, skip_tokenizer_init=True, dtype="float32", **engine_args)
+
+
+def _params():
+    return SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
+
+
+def _check(outputs, refs):
+    for out, ref in zip(outputs, refs):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "length"
+        assert_matches(ref, completion.token_ids, completion.logprobs)
+
+
+def _assert_clean(engine):
+    free, cached, in_use = engine.kv_cache_manager.pool.counts()
+    assert in_use == 0 and free + cached == engine.kv_cache_manager.num_blocks
+    state = engine.state_cache_manager
+    assert state.num_free_slots == state.num_slots and not state.req_to_slot
+
+
+@pytest.mark.parametrize("kind,budget", [("dense", 16), ("dense", 48), ("dense", 100), ("moe", 48), ("vl", 100)])
+def test_chunked_prefill(checkpoints, kind, budget):
+    path, prompts, refs = checkpoints(kind)
+    # Prefix caching is asked for but must be off: a hybrid model cannot reuse KV blocks alone.
+    llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=budget, enable_prefix_caching=True)
+    assert not llm.llm_engine.config.enable_prefix_caching
+    assert not llm.llm_engine.kv_cache_manager.enable_caching
+    _check(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
+    _assert_clean(llm.llm_engine)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "vl"])
+def test_preemption(checkpoints, kind):
+    path, prompts, refs = checkpoints(kind)
+    order = [LENGTHS.index(n) for n in (300, 7, 1, 130, 65, 64)]
+    prompts, refs = [prompts[i] for i in order], [refs[i] for i in order]
+    # 78 blocks of 4 tokens: the prompts of 300, 7 and 1 tokens fill them all, so once the longest
+    # request decodes, the newest ones are preempted, recomputed from token 0 into a fresh state
+    # slot, and must still match.
+    llm = _llm(path, num_gpu_blocks_override=78, block_size=4, max_model_len=312)
+    _check(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    _assert_clean(llm.llm_engine)
+
+
+@pytest.mark.parametrize("kind", ["dense", "vl"])
+def test_requests_join_while_others_decode(checkpoints, kind):
+    path, prompts, refs = checkpoints(kind)
+    # 3 state slots for 6 requests: later requests reuse slots that earlier ones wrote.
+    engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(
+        path, skip_tokenizer_init=True, dtype="float32", num_gpu_blocks_override=256,
+        max_num_batched_tokens=40, max_num_seqs=3))
+    arrivals = {0: [3, 0], 2: [5], 4: [1, 4], 9: [2]}  # step -> prompts added before it
+    outputs, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i in arrivals.get(step, []):
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, _params())
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        step += 1
+    assert engine.state_cache_manager.num_slots == 3
+    _check([outputs[str(i)] for i in range(len(prompts))], refs)
+    _assert_clean(engine)
+
+
+def test_moe_per_expert_and_fused_layouts(checkpoints, tmp_path):
+    path, prompts, refs = checkpoints("moe")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    assert any(re.search(r"\.experts\.\d+\.gate_proj\.weight$", n) for n in tensors)  # transformers saves per expert
+    fused = _fuse_experts(tensors, MOE["num_experts"])
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused
+    save_file(fused, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(os.path.join(path, "config.json"), tmp_path / "config.json")
+    for source in (path, str(tmp_path)):
+        llm = _llm(source, num_gpu_blocks_override=256)
+        _check(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
+
+
+def _fuse_experts(tensors: dict, num_experts: int) -> dict:
+    """Per-expert tensors -> the released BF16 layout: experts.gate_up_proj [E, 2I, H], experts.down_proj."""
+    out, prefixes = {}, set()
+    for name, tensor in tensors.items():
+        match = re.match(r"(.*\.experts)\.\d+\.", name)
+        if match:
+            prefixes.add(match[1])
+        else:
+            out[name] = tensor
+    for p in prefixes:
+        out[f"{p}.gate_up_proj"] = torch.stack([torch.cat([tensors[f"{p}.{e}.gate_proj.weight"],
+                                                           tensors[f"{p}.{e}.up_proj.weight"]])
+                                                for e in range(num_experts)]).contiguous()
+        out[f"{p}.down_proj"] = torch.stack([tensors[f"{p}.{e}.down_proj.weight"]
+                                             for e in range(num_experts)]).contiguous()
+    return out
+
+
+def test_state_pool_that_does_not_fit_is_a_clear_error(checkpoints):
+    path, _, _ = checkpoints("dense")
+    # 3 layers x (conv 128 x 3 + recurrent 4 x 16 x 16) x 4 bytes = 16896 bytes per slot
+    expected = r"state pool of 256 slots \(max_num_seqs\) x 16896 bytes needs 4.12 MiB, more than .* 1.00 MiB"
+    with pytest.raises(KVCacheTooSmallError, match=expected):
+        _llm(path, kv_cache_memory_bytes=1 << 20)
+
+
+def test_mrope_matches_transformers():
+    config = Qwen3_5TextConfig(**{**TEXT, "head_dim": 64, "rope_parameters": {**ROPE, "mrope_section": [3, 3, 2]}})
+    hf = Qwen3_5TextRotaryEmbedding(config)
+    positions = torch.randint(0, 500, (3, 1, 37))  # distinct (t, h, w) rows, as for image tokens
+    q, k = torch.randn(1, 4, 37, 64), torch.randn(1, 2, 37, 64)
+    cos, sin = hf(q, positions)
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    ours = MRotaryEmbedding(hf.inv_freq, 1.0, 512, [3, 3, 2])
+    q_out, k_out = ours(positions[:, 0], q[0].transpose(0, 1), k[0].transpose(0, 1))
+    torch.testing.assert_close(q_out, q_ref[0].transpose(0, 1))
+    torch.testing.assert_close(k_out, k_ref[0].transpose(0, 1))
+
+
+def test_mrope_slot_owners_of_released_configs():
+    owners = "".join("THW"[a] for a in interleaved_axis_of_slots(32, [11, 11, 10]).tolist())
+    assert owners == "THW" * 10 + "TH"
+
+
+def test_composite_checkpoint_loads_its_text_model(checkpoints, caplog):
+    path, _, _ = checkpoints("vl")
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    with caplog.at_level("INFO", logger="ascendserve"):
+        engine = _llm(path, num_gpu_blocks_override=64).llm_engine
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Skipped")]
+    assert len(skipped) == 1 and "model.visual.*" in skipped[0]
+    assert engine.vocab_size == VOCAB and engine.runner.state_caches is not None
+
+
+def test_state_metadata_splits_decodes_from_prefills():
+    meta = build_state_metadata([1, 5, 3], [9, 0, 64], [2, 0, 1], torch.device("cpu"))
+    assert meta.decode_token_idx.tolist() == [0] and meta.decode_slots.tolist() == [2]
+    assert meta.prefill_token_idx.tolist() == list(range(1, 9))
+    assert meta.prefill_cu_seqlens.tolist() == [0, 5, 8] and meta.prefill_slots.tolist() == [0, 1]
+    assert meta.prefill_has_initial_state.tolist() == [False, True]
+    # a 1-token prompt starts a state: chunked path; all rows are prefill rows, in order
+    meta = build_state_metadata([1, 4], [0, 8], [3, 1], torch.device("cpu"))
+    assert meta.decode_token_idx is None and meta.prefill_token_idx is None
+    assert meta.prefill_cu_seqlens.tolist() == [0, 1, 5] and meta.prefill_has_initial_state.tolist() == [False, True]
