@@ -1,0 +1,231 @@
+"""`ascendserve serve [MODEL]`: the OpenAI-compatible server, with `vllm serve`'s flags.
+
+Every flag of a vLLM command line is accepted. Flags this engine implements act as in vLLM; flags with
+no effect here (parallelism it does not have, graph capture, multimodal limits) are parsed, checked
+(JSON values included) and reported with one warning line each, never silently ignored.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+from ascendserve.cli.engine_flags import add_engine_flags, engine_args_from
+from ascendserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+# JSON-valued flags and a correct example of each, shown when a value does not parse.
+JSON_FLAG_EXAMPLES = {
+    "--compilation-config": '\'{"cudagraph_mode":"FULL_DECODE_ONLY"}\'',
+    "--additional-config": '\'{"enable_cpu_binding":true}\'',
+    "--limit-mm-per-prompt": '\'{"image":2,"video":0}\'',
+    "--hf-overrides": '\'{"max_position_embeddings":32768}\'',
+    "--speculative-config": '\'{"method":"mtp","num_speculative_tokens":1}\'',
+}
+
+# Flags accepted for compatibility that change nothing in this engine: (argparse kwargs, why).
+NO_EFFECT_FLAGS = {
+    "--data-parallel-size": ({"type": int}, "data parallelism is not implemented; one engine replica serves"),
+    "--data-parallel-size-local": ({"type": int}, "data parallelism is not implemented"),
+    "--data-parallel-address": ({}, "data parallelism is not implemented"),
+    "--data-parallel-rpc-port": ({"type": int}, "data parallelism is not implemented"),
+    "--data-parallel-start-rank": ({"type": int}, "data parallelism is not implemented"),
+    "--api-server-count": ({"type": int}, "one API server process serves"),
+    "--headless": ({"action": "store_true"}, "there are no remote engines to run headless"),
+    "--pipeline-parallel-size": ({"type": int}, "pipeline parallelism is not implemented"),
+    "--enable-expert-parallel": ({"action": "store_true"}, "expert parallelism is not implemented"),
+    "--async-scheduling": ({"action": argparse.BooleanOptionalAction}, "the engine schedules synchronously"),
+    "--compilation-config": ({"type": None}, "no graph capture or compilation: the model runs eagerly"),
+    "--additional-config": ({"type": None}, "no platform plugin reads it"),
+    "--speculative-config": ({"type": None}, "speculative decoding (MTP) is not implemented"),
+    "--quantization": ({}, "quantized checkpoints are not supported; weights load as stored"),
+    "--kv-cache-dtype": ({}, "the KV cache uses the model dtype"),
+    "--mamba-cache-mode": ({}, "the recurrent-state cache has one mode"),
+    "--mamba-ssm-cache-dtype": ({}, "the recurrent state is kept in float32"),
+    "--allowed-local-media-path": ({}, "multimodal input is not implemented"),
+    "--limit-mm-per-prompt": ({"type": None}, "multimodal input is not implemented"),
+    "--skip-mm-profiling": ({"action": "store_true"}, "multimodal input is not implemented"),
+    "--language-model-only": ({"action": "store_true"}, "only the language model is loaded anyway"),
+    "--mm-processor-cache-gb": ({"type": float}, "multimodal input is not implemented"),
+    "--mm-encoder-tp-mode": ({}, "multimodal input is not implemented"),
+    "--worker-use-ray": ({"action": "store_true"}, "no Ray executor: one process runs the model"),
+    "--distributed-executor-backend": ({}, "no distributed executor: one process runs the model"),
+    "--attention-backend": ({}, "one attention implementation per platform"),
+    "--enable-log-requests": ({"action": "store_true"}, "requests are logged unless --disable-log-requests"),
+}
+
+
+def _json_flag(flag: str):
+    def parse(value: str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(
+                f"invalid JSON {value!r}: {e}. A correct example: {flag} {JSON_FLAG_EXAMPLES[flag]}") from None
+    return parse
+
+
+def _list_flag(value: str) -> list[str]:
+    """`--allowed-origins '["a","b"]'` (vLLM's JSON form) or a plain value."""
+    if value.startswith("["):
+        try:
+            return [str(v) for v in json.loads(value)]
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"invalid JSON list {value!r}: {e}; example: '[\"*\"]'") from None
+    return [value]
+
+
+def register(sub) -> None:
+    """Add the `serve` subcommand."""
+    p = sub.add_parser("serve", help="start the OpenAI-compatible API server",
+                       description="Start the OpenAI-compatible server (vLLM's `vllm serve` flags).")
+    p.add_argument("model_tag", nargs="?", default=None, help="model path or repo id (default: the demo model)")
+    p.add_argument("--model", default=None, help="same as the positional MODEL")
+    add_engine_flags(p)
+    add_server_flags(p)
+    p.set_defaults(func=run)
+
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """The frontend flags of `vllm serve`, plus the accepted-but-inert ones."""
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--hf-overrides", type=_json_flag("--hf-overrides"), default=None)
+    p.add_argument("--reasoning-parser", default=None)
+    p.add_argument("--tool-call-parser", default=None)
+    p.add_argument("--enable-auto-tool-choice", action="store_true")
+    p.add_argument("--chat-template", default=None, help="a Jinja file or template string")
+    p.add_argument("--trust-request-chat-template", action="store_true")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (or VLLM_API_KEY)")
+    p.add_argument("--allowed-origins", type=_list_flag, nargs="+", default=None)
+    p.add_argument("--allowed-methods", type=_list_flag, nargs="+", default=None)
+    p.add_argument("--allowed-headers", type=_list_flag, nargs="+", default=None)
+    p.add_argument("--allow-credentials", action="store_true")
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--disable-log-requests", action="store_true")
+    p.add_argument("--disable-log-stats", action="store_true")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="(ascendserve) answer 503 with Retry-After once this many sequences wait for a slot")
+    for flag, (kwargs, _) in NO_EFFECT_FLAGS.items():
+        kwargs = dict(kwargs)
+        if kwargs.get("type", 0) is None:
+            kwargs["type"] = _json_flag(flag)
+        p.add_argument(flag, default=None, **kwargs)
+
+
+def warn_no_effect_flags(ns: argparse.Namespace) -> list[str]:
+    """One warning per inert flag the user set; returns the flags warned about."""
+    warned = []
+    for flag, (_, why) in NO_EFFECT_FLAGS.items():
+        value = getattr(ns, flag.lstrip("-").replace("-", "_"))
+        if value is None or value is False or (flag.startswith("--data-parallel-size") and value == 1) or (
+                flag == "--pipeline-parallel-size" and value == 1):
+            continue
+        logger.warning("%s %s is accepted but has no effect: %s.", flag,
+                       json.dumps(value) if not isinstance(value, str) else value, why)
+        warned.append(flag)
+    return warned
+
+
+def check_flags(ns: argparse.Namespace) -> None:
+    """Fail fast (before loading the model) on values that cannot work; raises ValueError."""
+    from ascendserve.parsers.reasoning import get_reasoning_parser
+    from ascendserve.parsers.tool import get_tool_parser
+
+    if ns.reasoning_parser:
+        get_reasoning_parser(ns.reasoning_parser)
+    if ns.tool_call_parser:
+        get_tool_parser(ns.tool_call_parser)
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (e.g. --tool-call-parser qwen3_coder)")
+    if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
+    if ns.max_logprobs < 0:
+        raise ValueError(f"--max-logprobs must be >= 0, got {ns.max_logprobs}")
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Validate the flags, build the engine, serve until interrupted."""
+    ns.model = ns.model or ns.model_tag
+    ns.api_key = ns.api_key or os.environ.get("VLLM_API_KEY") or None
+    try:
+        check_flags(ns)
+        if ns.tensor_parallel_size != 1:
+            raise ValueError(f"--tensor-parallel-size {ns.tensor_parallel_size}: tensor parallelism is not "
+                             f"implemented yet (tensor_parallel_size must be 1); this server runs the model on "
+                             f"one device")
+        args = engine_args_from(ns)
+        from ascendserve.entrypoints.openai.chat_utils import load_chat_template
+        chat_template = load_chat_template(ns.chat_template)
+    except ValueError as e:
+        print(f"ascendserve serve: error: {e}", file=sys.stderr)
+        return 2
+    warn_no_effect_flags(ns)
+    if os.environ.get("VLLM_USE_MODELSCOPE", "").lower() in ("1", "true") and ns.model:
+        logger.info("VLLM_USE_MODELSCOPE is set: %s is resolved from ModelScope", ns.model)
+    serve(ns, args, chat_template)
+    return 0
+
+
+def serve(ns: argparse.Namespace, args, chat_template: str | None) -> None:
+    """Build engine and app, then run uvicorn (blocks)."""
+    import uvicorn
+
+    from ascendserve.engine.async_engine import AsyncLLM
+    from ascendserve.engine.llm_engine import LLMEngine
+    from ascendserve.entrypoints.openai.api_server import (DEFAULT_LOG_STATS_INTERVAL_S, build_app,
+                                                           load_default_sampling_params)
+    from ascendserve.entrypoints.openai.serving_engine import ServerOptions
+    from ascendserve.entrypoints.openai.serving_models import ServingModels
+    from ascendserve.metrics import EngineMetrics
+
+    engine = LLMEngine.from_engine_args(args)
+    config = engine.config
+    names = ns.served_model_name or [config.served_model_name]
+    metrics = EngineMetrics(names[0], config.max_model_len)
+    async_llm = AsyncLLM(engine, metrics)
+    reasoning_cls, tool_cls = _parser_classes(ns, engine.tokenizer)
+    options = ServerOptions(
+        max_waiting_requests=ns.max_waiting_requests, max_logprobs=ns.max_logprobs,
+        log_requests=not ns.disable_log_requests, chat_template=chat_template,
+        trust_request_chat_template=ns.trust_request_chat_template, reasoning_parser=ns.reasoning_parser,
+        tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        default_sampling_params=load_default_sampling_params(config.model_path))
+    interval = None if ns.disable_log_stats else float(
+        os.environ.get("VLLM_LOG_STATS_INTERVAL", DEFAULT_LOG_STATS_INTERVAL_S))
+    cors = {"allowed_origins": _flat(ns.allowed_origins), "allowed_methods": _flat(ns.allowed_methods),
+            "allowed_headers": _flat(ns.allowed_headers), "allow_credentials": ns.allow_credentials}
+    app = build_app(async_llm, ServingModels(names, config.model_path, config.max_model_len), options,
+                    metrics=metrics, api_keys=[ns.api_key] if ns.api_key else [], cors=cors,
+                    reasoning_parser_cls=reasoning_cls, tool_parser_cls=tool_cls, log_stats_interval=interval)
+    logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", names[0], ns.host, ns.port)
+    try:
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                    access_log=not ns.disable_uvicorn_access_log, timeout_keep_alive=5)
+    finally:
+        async_llm.shutdown()
+
+
+def _flat(values: list[list[str]] | None) -> list[str]:
+    return [v for group in values for v in group] if values else ["*"]
+
+
+def _parser_classes(ns: argparse.Namespace, tokenizer):
+    """The parser classes to use; one that cannot work with this tokenizer is switched off with a warning."""
+    from ascendserve.parsers.reasoning import get_reasoning_parser
+    from ascendserve.parsers.tool import get_tool_parser
+
+    reasoning = get_reasoning_parser(ns.reasoning_parser) if ns.reasoning_parser else None
+    if reasoning is not None:
+        try:
+            reasoning(tokenizer)
+        except (ValueError, RuntimeError) as e:
+            logger.warning("--reasoning-parser %s is switched off for this model: %s", ns.reasoning_parser, e)
+            reasoning = None
+    tool = get_tool_parser(ns.tool_call_parser) if ns.tool_call_parser else None
+    return reasoning, tool

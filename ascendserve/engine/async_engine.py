@@ -1,0 +1,329 @@
+"""AsyncLLM: the synchronous LLMEngine driven by a background thread, with one asyncio queue per request.
+
+Threading model (the invariant that keeps it simple): ONLY the engine thread touches the LLMEngine.
+The asyncio side talks to it through a FIFO inbox of commands (add, abort) and gets results back
+through `loop.call_soon_threadsafe`. Because the inbox is FIFO, an abort sent after an add is always
+applied after it, so a request cancelled while its add is still queued is still aborted, and its
+blocks are freed before the next step.
+
+    generate() --add--> inbox --> engine thread: add_request / abort_request / step()
+        ^                                 |
+        +---- per-request asyncio.Queue <-+ (RequestOutput, or the engine's exception)
+"""
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ascendserve.engine.outputs import RequestOutput
+from ascendserve.engine.sampling_params import SamplingParams
+from ascendserve.logger import init_logger
+from ascendserve.metrics import FinishedRequestStats, IterationStats, SchedulerStats
+
+logger = init_logger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; every pending and future request gets this error."""
+
+
+@dataclass
+class _Stream:
+    """Engine-thread state of one user request: where its outputs go and its timings for metrics."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival_time: float
+    children: list = field(default_factory=list)  # engine Request objects (read-only here)
+    num_output_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Add:
+    stream: _Stream
+    prompt: object
+    params: SamplingParams
+    done: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLM:
+    """Async front of an LLMEngine: `generate()` yields RequestOutputs; cancelling it aborts the request."""
+
+    def __init__(self, engine, metrics=None) -> None:
+        self.engine = engine
+        self.metrics = metrics  # ascendserve.metrics.EngineMetrics or None
+        self.tokenizer = engine.tokenizer
+        self.config = engine.config
+        self.dead_error: BaseException | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._stats = SchedulerStats()  # last snapshot, written by the engine thread
+        self._iteration = IterationStats()  # engine thread: what happened since the last publish
+        self._pending_adds = 0  # adds sent but not yet counted by a snapshot
+        self._num_added = 0  # engine thread: adds applied since the last snapshot
+        self._lock = threading.Lock()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="ascendserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args, metrics=None) -> "AsyncLLM":
+        """Build the LLMEngine (blocking, in the calling thread) and start its loop."""
+        from ascendserve.engine.llm_engine import LLMEngine
+        return cls(LLMEngine.from_engine_args(args), metrics)
+
+    # -- the asyncio side ----------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        """True once the engine loop has failed."""
+        return self.dead_error is not None
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting for a slot, plus requests not yet handed to the engine."""
+        return self._stats.num_waiting + self._pending_adds
+
+    @property
+    def scheduler_stats(self) -> SchedulerStats:
+        """The snapshot taken after the last engine step."""
+        return self._stats
+
+    async def add_request(self, request_id: str, prompt, params: SamplingParams,
+                          arrival_time: float | None = None) -> "RequestStream":
+        """Queue a request; returns once the engine accepted it (bad input raises ValueError here)."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop has failed: {self.dead_error!r}")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(request_id, loop, asyncio.Queue(), arrival_time or time.time())
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._pending_adds += 1
+        self._send(_Add(stream, prompt, params, done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self._send(_Abort(request_id))  # the inbox is FIFO: applied after the add
+            raise
+        return RequestStream(self, request_id, stream.queue)
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs until it finishes.
+
+        Bad input raises ValueError before the first output. Leaving the iterator early (break,
+        cancellation, client disconnect) aborts the request at once.
+        """
+        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, returns at once; its iterator ends with finish_reason 'abort')."""
+        self._send(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        """Stop the engine thread after the current step."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def _send(self, command) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.clear()
+            try:
+                self._iterate()
+            except BaseException as e:  # the engine state is unknown now: fail everything
+                if self.dead_error is None:
+                    logger.exception("Engine loop failed; every request gets the error")
+                    self._die(e)
+        self._die(EngineDeadError("the engine was shut down"))
+        self._drain_inbox()  # fail adds that raced with the shutdown
+
+    def _iterate(self) -> None:
+        """Apply queued commands, then run one step (or sleep until a command arrives)."""
+        self._drain_inbox()
+        self._snapshot()
+        with self._lock:  # only now, once the snapshot counts them as waiting
+            self._pending_adds -= self._num_added
+            self._num_added = 0
+        if self.dead_error is not None or not self.engine.has_unfinished_requests():
+            self._publish(time.time())
+            self._wake.wait()
+            return
+        outputs = self.engine.step()
+        now = time.time()
+        self._track_tokens(now)
+        self._dispatch(outputs, now)
+        self._publish(now)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                self._num_added += 1
+                self._add(command)
+            elif self.dead_error is None:
+                self._dispatch(self.engine.abort_request(command.request_id), time.time())
+
+    def _add(self, command: _Add) -> None:
+        stream = command.stream
+        if not command.done.set_running_or_notify_cancel():
+            return  # the caller was cancelled while the add waited: nothing to add (its abort is a no-op)
+        try:
+            if self.dead_error is not None:
+                raise EngineDeadError(f"the engine loop has failed: {self.dead_error!r}")
+            if stream.request_id in self._streams:
+                raise ValueError(f"request id {stream.request_id!r} is already in use")
+            self.engine.add_request(stream.request_id, command.prompt, command.params, stream.arrival_time)
+        except Exception as e:
+            command.done.set_exception(e)
+        else:
+            parent = self.engine.output_processor.parents.get(stream.request_id)
+            stream.children = [c.request for c in parent.children] if parent else []
+            self._streams[stream.request_id] = stream
+            command.done.set_result(None)
+
+    def _track_tokens(self, now: float) -> None:
+        """Token counts and latencies of this step, from the engine's Request objects."""
+        it = self._iteration
+        for s in self._streams.values():
+            total = sum(r.num_output_tokens for r in s.children)
+            new = total - s.num_output_tokens
+            if new <= 0:
+                continue
+            it.num_generation_tokens += new
+            if s.first_token_time is None:
+                s.first_token_time = now
+                it.time_to_first_tokens.append(now - s.arrival_time)
+                it.num_prompt_tokens += s.children[0].num_prompt_tokens
+            else:
+                it.inter_token_latencies.append(now - s.last_token_time)
+            s.last_token_time = now
+            s.num_output_tokens = total
+
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+                self._iteration.finished.extend(self._finished_stats(stream, output, now))
+            by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _deliver, items)
+
+    def _finished_stats(self, stream: _Stream, output: RequestOutput, now: float) -> list[FinishedRequestStats]:
+        stats = []
+        for child, completion in zip(stream.children, _by_index(output, len(stream.children))):
+            scheduled = child.first_scheduled_time or now
+            stats.append(FinishedRequestStats(
+                finish_reason=(completion.finish_reason if completion else None) or "abort",
+                e2e_latency=now - stream.arrival_time, queue_time=max(scheduled - stream.arrival_time, 0.0),
+                num_prompt_tokens=child.num_prompt_tokens, num_generation_tokens=child.num_output_tokens))
+        return stats
+
+    def _die(self, error: BaseException) -> None:
+        self.dead_error = self.dead_error or error
+        dead = EngineDeadError(f"the engine loop has failed: {error!r}")
+        dead.__cause__ = error
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream in self._streams.values():
+            by_loop.setdefault(stream.loop, []).append((stream.queue, dead))
+        self._streams.clear()
+        for loop, items in by_loop.items():
+            _call_soon(loop, _deliver, items)
+
+    def _snapshot(self) -> None:
+        if self.dead_error is not None:
+            return
+        engine = self.engine
+        kv = engine.kv_cache_manager
+        self._stats = SchedulerStats(
+            num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
+            kv_cache_usage=kv.usage(), num_preemptions=engine.scheduler.num_preemptions,
+            prefix_cache_queries=kv.num_queries, prefix_cache_hits=kv.num_hits)
+
+    def _publish(self, now: float) -> None:
+        self._snapshot()
+        iteration, self._iteration = self._iteration, IterationStats()
+        if self.metrics is not None:
+            self.metrics.record(self._stats, iteration, now)
+
+
+class RequestStream:
+    """The outputs of one accepted request, as an async iterator; `abort()` (idempotent) cancels it.
+
+    Cancelling a task that waits in `__anext__` aborts the request too.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_id: str, outputs: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._outputs = outputs
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._outputs.get()
+        except BaseException:
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+def _by_index(output: RequestOutput, n: int) -> list:
+    found = {c.index: c for c in output.outputs}
+    return [found.get(i) for i in range(n)]
+
+
+def _deliver(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+        pass

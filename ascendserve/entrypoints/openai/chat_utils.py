@@ -1,0 +1,109 @@
+"""Chat prompt rendering: OpenAI messages -> the checkpoint's Jinja chat template -> prompt text."""
+
+import json
+import os
+
+from ascendserve.entrypoints.openai.errors import OpenAIError
+
+# Strings that mark a --chat-template value as a template rather than a file name.
+_JINJA_MARKERS = ("{{", "{%")
+
+# Per tool-call parser: the text that opens a call to `name`, the opening that lets the model pick the
+# name, and where generation stops after the call. A forced `tool_choice` appends an opening to the
+# prompt and stops after one call, so the output is exactly one call, as vLLM's guided decoding gives.
+TOOL_CALL_OPENINGS = {
+    "qwen3_coder": ("<tool_call>\n<function={name}>\n", "<tool_call>\n<function=",
+                    ("</function>", "<function=", "</tool_call>")),
+    "hermes": ('<tool_call>\n{{"name": "{name}", "arguments": ', '<tool_call>\n{{"name": "',
+               ("</tool_call>", "<tool_call>")),
+}
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file path, or the template itself; raise ValueError for neither."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(marker in value for marker in _JINJA_MARKERS):
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither an existing file nor a Jinja template "
+                     f"(a template contains '{{{{' or '{{%'); example: --chat-template ./template.jinja")
+
+
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """Text parts joined into strings, tool-call arguments parsed to objects (what templates expect)."""
+    out = []
+    for i, message in enumerate(messages):
+        message = dict(message)
+        content = message.get("content")
+        if isinstance(content, list):
+            message["content"] = _join_text_parts(content, i)
+        elif content is not None and not isinstance(content, str):
+            raise OpenAIError(f"messages[{i}].content must be a string or a list of content parts, "
+                              f"got {type(content).__name__}", 400, param=f"messages[{i}].content")
+        if message.get("tool_calls"):
+            message["tool_calls"] = [_parse_arguments(call) for call in message["tool_calls"]]
+        out.append(message)
+    return out
+
+
+def _join_text_parts(parts: list, index: int) -> str:
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            texts.append(str(part.get("text", "")))
+        elif kind in ("image_url", "input_image", "image", "video_url", "input_audio", "audio_url"):
+            raise OpenAIError(f"messages[{index}].content has a {kind!r} part, but this model accepts text "
+                              f"only.", 400, param=f"messages[{index}].content")
+        else:
+            raise OpenAIError(f"messages[{index}].content has an unknown part {part!r}; expected "
+                              f"{{'type': 'text', 'text': ...}}", 400, param=f"messages[{index}].content")
+    return "\n".join(texts)
+
+
+def _parse_arguments(call):
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, str):
+        try:
+            call = {**call, "function": {**call["function"], "arguments": json.loads(arguments)}}
+        except json.JSONDecodeError:
+            pass
+    return call
+
+
+def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None, tools: list[dict] | None,
+                add_generation_prompt: bool, continue_final_message: bool, documents=None,
+                chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text; a template error (bad roles, missing template) becomes a 400."""
+    from jinja2 import TemplateError
+
+    if tokenizer is None:
+        raise OpenAIError("This server runs without a tokenizer: chat needs one.", 400)
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise OpenAIError("This model has no chat template; start the server with --chat-template "
+                          "(a file or a Jinja string), or use /v1/completions.", 400)
+    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        raise OpenAIError("continue_final_message needs the last message to be an assistant message.", 400,
+                          param="continue_final_message")
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                "continue_final_message", "tokenize"} & set(kwargs)
+    if reserved:
+        raise OpenAIError(f"chat_template_kwargs cannot set {sorted(reserved)}; use the request fields.", 400,
+                          param="chat_template_kwargs")
+    try:
+        text = tokenizer.apply_chat_template(
+            normalize_messages(messages), tools=tools, documents=documents, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tokenize=False, **kwargs)
+    except OpenAIError:
+        raise
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+        raise OpenAIError(f"The chat template could not render these messages: {type(e).__name__}: {e}", 400,
+                          param="messages") from None
+    return text if isinstance(text, str) else tokenizer.decode(text)

@@ -1,0 +1,114 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}`, and the app's exception handlers.
+
+Every bad input must end here as a 4xx with a message naming the field; the catch-all 500 exists only
+for bugs, and the tests check that bad inputs never reach it.
+"""
+
+import json
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ascendserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+# OpenAI's error `type` per status (what the official client maps to its exception classes).
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          405: "MethodNotAllowedError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError",
+          499: "ClientClosedRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class OpenAIError(Exception):
+    """An error to answer with an OpenAI error body; raise it anywhere in a handler."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.headers = headers
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """The JSON body of an error."""
+    kind = _TYPES.get(status) or _phrase(status).replace(" ", "") + "Error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
+
+
+def error_response(message: str, status: int = 400, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """A JSONResponse holding an OpenAI error."""
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
+
+
+def format_validation_error(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for pydantic/FastAPI errors: names each bad field and says why."""
+    parts, first_param = [], None
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            detail = err.get("ctx", {}).get("error", "")
+            return f"Invalid JSON in the request body: {detail}".rstrip(": "), None
+        message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        # A union of models (tool_choice, tokenize) reports the branch name; keep the field path only.
+        loc = [p for p in loc if not _is_branch_name(p)]
+        param = ".".join(loc) or _leading_field(message)
+        first_param = first_param or param
+        if param and err.get("type") == "missing":
+            parts.append(f"'{param}' is a required field")
+        elif loc:
+            parts.append(f"'{param}': {message} (got {_short(err.get('input'))})")
+        else:
+            parts.append(message)
+    # one line per distinct problem, in order
+    unique = list(dict.fromkeys(parts))
+    return "; ".join(unique) or "invalid request", first_param
+
+
+def _leading_field(message: str) -> str | None:
+    """The request field a model-level message starts with ("tool_choice names ..." -> "tool_choice")."""
+    first = message.split(" ", 1)[0]
+    return first if "_" in first and first.replace("_", "").isalpha() and first.islower() else None
+
+
+def _is_branch_name(part: str) -> bool:
+    return part[:1].isupper() or part.startswith(("literal[", "function-", "list[", "str", "int", "dict[", "bool"))
+
+
+def _short(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map OpenAIError, validation errors, HTTP errors and unexpected exceptions to OpenAI bodies."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError):
+        return error_response(exc.message, exc.status, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        message, param = format_validation_error(list(exc.errors()))
+        return error_response(message, 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        return error_response(str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("Unexpected error while serving %s %s", request.method, request.url.path)
+        return error_response(f"Internal server error: {type(exc).__name__}: {exc}", 500)

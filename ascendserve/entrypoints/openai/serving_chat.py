@@ -1,0 +1,336 @@
+"""POST /v1/chat/completions: chat template, reasoning and tool-call parsing, streamed or not."""
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from ascendserve.engine.outputs import Logprob
+from ascendserve.entrypoints.openai.chat_utils import TOOL_CALL_OPENINGS, render_chat
+from ascendserve.entrypoints.openai.errors import OpenAIError
+from ascendserve.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
+                                                     ChatCompletionLogProbsContent, ChatCompletionRequest,
+                                                     ChatCompletionResponse, ChatCompletionResponseChoice,
+                                                     ChatCompletionResponseStreamChoice,
+                                                     ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
+                                                     UsageInfo, random_uuid)
+from ascendserve.entrypoints.openai.serving_engine import (OpenAIServing, SSEResponse, merge_async_iterators,
+                                                           run_until_disconnected, sse, sse_error)
+
+_MIN_LOGPROB = -9999.0
+
+
+class ChatChoiceParser:
+    """Turns one choice's text deltas into DeltaMessages: reasoning first, then content and tool calls.
+
+    The reasoning parser sees the whole output; once it reports the reasoning over, only the content
+    part goes on to the tool parser, which therefore starts from an empty text. `prefix` is text the
+    prompt already holds on the model's behalf (a forced tool-call opening): the tool parser sees it
+    as the first content. Concatenating every delta's content/reasoning/arguments gives what `parse()`
+    returns for the whole output.
+    """
+
+    def __init__(self, request: ChatCompletionRequest, reasoning_parser=None, tool_parser=None,
+                 prefix: str = "") -> None:
+        self.request = request
+        self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser
+        self.prefix = prefix
+        self.in_reasoning = reasoning_parser is not None and not prefix
+        self.text, self.token_ids = "", []  # the whole output so far
+        self.content_text, self.content_ids = "", []  # what the tool parser has seen
+
+    @property
+    def called_names(self) -> list[str]:
+        """Names of the calls the tool parser has emitted."""
+        return [call["name"] for call in self.tool_parser.prev_tool_call_arr] if self.tool_parser else []
+
+    @property
+    def tools_called(self) -> bool:
+        """Whether the tool parser has emitted a call."""
+        return bool(self.tool_parser is not None and self.tool_parser.prev_tool_call_arr)
+
+    def feed(self, delta_text: str, delta_ids: list[int]) -> DeltaMessage | None:
+        """The DeltaMessage of one engine delta, or None when nothing is ready to send."""
+        reasoning, content, content_ids = None, delta_text, list(delta_ids)
+        previous_text, previous_ids = self.text, self.token_ids
+        self.text, self.token_ids = previous_text + delta_text, previous_ids + list(delta_ids)
+        if self.in_reasoning:
+            parser = self.reasoning_parser
+            dm = parser.extract_reasoning_streaming(previous_text, self.text, delta_text, previous_ids,
+                                                    self.token_ids, delta_ids)
+            reasoning = (dm.reasoning_content or dm.reasoning) if dm else None
+            content = (dm.content or "") if dm else ""
+            if parser.reasoning_ended:
+                self.in_reasoning = False
+                content_ids = parser.extract_content_ids(list(delta_ids))
+            else:
+                content, content_ids = "", []
+        if self.prefix and not self.content_text:
+            content = self.prefix + content
+        tool_calls = []
+        if self.tool_parser is not None and (content or content_ids):
+            previous, previous_ids = self.content_text, self.content_ids
+            self.content_text, self.content_ids = previous + content, previous_ids + content_ids
+            dm = self.tool_parser.extract_tool_calls_streaming(previous, self.content_text, content, previous_ids,
+                                                               self.content_ids, content_ids, self.request)
+            content = (dm.content or "") if dm else ""
+            tool_calls = dm.tool_calls if dm else []
+        return _delta(reasoning if self.request.include_reasoning else None, content, tool_calls)
+
+    def finish(self) -> DeltaMessage | None:
+        """What the parsers held back, flushed at the end of the output."""
+        if self.tool_parser is None:
+            return None
+        if self.prefix and not self.content_text:
+            self.content_text = self.prefix
+        dm = self.tool_parser.finish_streaming(self.content_text, self.request)
+        return _delta(None, (dm.content or "") if dm else "", dm.tool_calls if dm else [])
+
+    def parse(self, text: str) -> ChatMessage:
+        """The whole message of a finished output (non-streaming)."""
+        reasoning, content = None, text
+        if self.in_reasoning:
+            reasoning, content = self.reasoning_parser.extract_reasoning(text, self.request)
+        content = self.prefix + (content or "")
+        if self.tool_parser is None:
+            message = ChatMessage(content=content or None, reasoning_content=reasoning)
+        else:
+            info = self.tool_parser.extract_tool_calls(content, self.request)
+            message = ChatMessage(content=info.content, tool_calls=info.tool_calls, reasoning_content=reasoning)
+        if not self.request.include_reasoning:
+            message.reasoning = message.reasoning_content = None
+        return message
+
+
+def _delta(reasoning: str | None, content: str, tool_calls: list) -> DeltaMessage | None:
+    fields = {}
+    if reasoning:
+        fields["reasoning_content"] = reasoning
+    if content:
+        fields["content"] = content
+    if tool_calls:
+        fields["tool_calls"] = tool_calls
+    return DeltaMessage(**fields) if fields else None
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The /v1/chat/completions handler."""
+
+    def __init__(self, engine, models, options, reasoning_parser_cls=None, tool_parser_cls=None) -> None:
+        super().__init__(engine, models, options)
+        self.reasoning_parser_cls = reasoning_parser_cls
+        self.tool_parser_cls = tool_parser_cls
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request | None = None):
+        """A ChatCompletionResponse, or an SSEResponse when `stream` is set."""
+        model = self.admit(request)
+        prefix = self._check_tool_choice(request)
+        prompt_text = self._render(request, prefix)
+        prompt_ids = self.tokenize(prompt_text, request.add_special_tokens)
+        params = self.sampling_params(request, len(prompt_ids), "messages")
+        if prefix:  # one forced call, then stop (the parser closes what the stop string cut)
+            params.stop = [*params.stop, *TOOL_CALL_OPENINGS[self.options.tool_call_parser][2]]
+        request_id = f"chatcmpl-{random_uuid()}"
+        parsers = [self._choice_parser(request, prompt_ids, prefix) for _ in range(request.n or 1)]
+        stream = await self.add(request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params,
+                                "messages")
+        if request.stream:
+            return SSEResponse(self._stream(request, model, request_id, prompt_ids, stream, parsers), [stream])
+        try:
+            return await run_until_disconnected(
+                self._collect(request, model, request_id, prompt_ids, stream, parsers), raw_request)
+        finally:
+            stream.abort()
+
+    # -- request checks and rendering ----------------------------------------------------------
+    def _check_tool_choice(self, request: ChatCompletionRequest) -> str:
+        """Validate tool_choice against the server flags; return the forced call opening, if any."""
+        choice = request.tool_choice
+        if not request.tools or choice == "none":
+            return ""
+        parser = self.options.tool_call_parser
+        if choice == "auto":
+            if not (self.options.enable_auto_tool_choice and self.tool_parser_cls is not None):
+                raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                  'to be set', 400, param="tool_choice")
+            return ""
+        if self.tool_parser_cls is None or parser not in TOOL_CALL_OPENINGS:
+            raise OpenAIError(f"tool_choice {choice if isinstance(choice, str) else 'with a named function'!r} "
+                              f"needs a tool-call parser that supports forced calls "
+                              f"({', '.join(sorted(TOOL_CALL_OPENINGS))}); start the server with "
+                              f"--tool-call-parser (this server has {parser or 'none'}).", 400,
+                              param="tool_choice")
+        named, opening, _ = TOOL_CALL_OPENINGS[parser]
+        if isinstance(choice, str) and len(request.tools) > 1:  # "required": the model picks the function
+            return opening
+        name = choice.function.name if not isinstance(choice, str) else request.tools[0].function.name
+        return named.format(name=name)
+
+    def _render(self, request: ChatCompletionRequest, prefix: str) -> str:
+        if request.chat_template is not None and not self.options.trust_request_chat_template:
+            raise OpenAIError("Chat template is passed with request, but --trust-request-chat-template is not "
+                              "set. Refused request with untrusted chat template.", 400, param="chat_template")
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+        text = render_chat(self.tokenizer, request.messages,
+                           chat_template=request.chat_template or self.options.chat_template, tools=tools,
+                           add_generation_prompt=request.add_generation_prompt,
+                           continue_final_message=request.continue_final_message,
+                           documents=getattr(request, "documents", None),
+                           chat_template_kwargs=request.chat_template_kwargs)
+        if prefix:
+            text += self._close_reasoning(request, text) + prefix
+        return text
+
+    def _close_reasoning(self, request: ChatCompletionRequest, prompt_text: str) -> str:
+        """A forced call goes after the reasoning: close a `<think>` the prompt left open."""
+        if self.reasoning_parser_cls is None:
+            return ""
+        parser = self.reasoning_parser_cls(self.tokenizer, request.chat_template_kwargs)
+        ended = parser.is_reasoning_end(self.tokenizer.encode(prompt_text, add_special_tokens=False))
+        return "" if ended else "\n</think>\n\n"
+
+    def _choice_parser(self, request: ChatCompletionRequest, prompt_ids: list[int], prefix: str) -> ChatChoiceParser:
+        reasoning = None
+        if self.reasoning_parser_cls is not None and not prefix:
+            reasoning = self.reasoning_parser_cls(self.tokenizer, request.chat_template_kwargs)
+            if not request.continue_final_message and reasoning.is_reasoning_end(prompt_ids):
+                reasoning = None  # e.g. enable_thinking=False closed it in the prompt
+        tool = None
+        if self.tool_parser_cls is not None and request.tools and request.tool_choice != "none":
+            tool = self.tool_parser_cls(self.tokenizer)
+        return ChatChoiceParser(request, reasoning, tool, prefix)
+
+    def _echo(self, request: ChatCompletionRequest) -> str:
+        last = request.messages[-1]
+        if request.echo and last.get("role") == "assistant" and isinstance(last.get("content"), str):
+            return last["content"]
+        return ""
+
+    # -- responses ----------------------------------------------------------------------------
+    async def _collect(self, request, model, request_id, prompt_ids, stream, parsers) -> ChatCompletionResponse:
+        choices = [_Choice() for _ in parsers]
+        async for _, output in merge_async_iterators(stream):
+            for c in output.outputs:
+                choice = choices[c.index]
+                choice.text += c.text
+                choice.token_ids += c.token_ids
+                choice.logprobs += c.logprobs or []
+                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+        result = []
+        for index, (choice, parser) in enumerate(zip(choices, parsers)):
+            message = parser.parse(choice.text)
+            self._check_forced_call(request, parser, [c.function.name for c in message.tool_calls])
+            if self._echo(request):
+                message.content = self._echo(request) + (message.content or "")
+            finish = _finish_reason(choice.finish_reason, bool(message.tool_calls))
+            logprobs = self._logprobs(request, choice.token_ids, choice.logprobs)
+            result.append(ChatCompletionResponseChoice(index=index, message=message, logprobs=logprobs,
+                                                       finish_reason=finish, stop_reason=choice.stop_reason))
+        num_generated = sum(len(c.token_ids) for c in choices)
+        usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=num_generated,
+                          total_tokens=len(prompt_ids) + num_generated)
+        return ChatCompletionResponse(id=request_id, model=model, choices=result, usage=usage)
+
+    def _check_forced_call(self, request, parser: ChatChoiceParser, names: list[str]) -> None:
+        """`required` / named tool_choice: a reply without a call to a given tool is an error, never text."""
+        known = {tool.function.name for tool in request.tools or []}
+        if parser.prefix and (not names or not set(names) <= known):
+            raise OpenAIError(f"tool_choice {request._tool_choice_text()} requires a tool call, but the model's "
+                              f"output could not be parsed as a call to one of the given tools.", 500)
+
+    def _logprobs(self, request, token_ids, logprobs) -> ChatCompletionLogProbs | None:
+        if not request.logprobs:
+            return None
+        return chat_logprobs(token_ids, logprobs, request.top_logprobs or 0, self.tokenizer)
+
+    async def _stream(self, request, model, request_id, prompt_ids, stream, parsers):
+        created = int(time.time())
+        n = len(parsers)
+        num_tokens = [0] * n
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = bool(include_usage and request.stream_options.continuous_usage_stats)
+
+        def chunk(index, delta, logprobs=None, finish=None, stop_reason=None):
+            out = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[
+                ChatCompletionResponseStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish,
+                                                   stop_reason=stop_reason)])
+            if continuous:
+                out.usage = _usage(prompt_ids, sum(num_tokens))
+            return sse(out)
+
+        try:
+            for index in range(n):
+                yield chunk(index, DeltaMessage(role="assistant", content=self._echo(request) or None))
+            async for _, output in merge_async_iterators(stream):
+                for c in output.outputs:
+                    parser = parsers[c.index]
+                    num_tokens[c.index] += len(c.token_ids)
+                    delta = parser.feed(c.text, c.token_ids)
+                    logprobs = self._logprobs(request, c.token_ids, c.logprobs or [])
+                    if c.finish_reason is not None:
+                        tail = parser.finish()
+                        delta = _merge(delta, tail)
+                        self._check_forced_call(request, parser, parser.called_names)
+                        finish = _finish_reason(c.finish_reason, parser.tools_called)
+                        yield chunk(c.index, delta or DeltaMessage(), logprobs, finish, c.stop_reason)
+                    elif delta is not None or logprobs is not None:
+                        yield chunk(c.index, delta or DeltaMessage(), logprobs)
+            if include_usage:
+                yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                       usage=_usage(prompt_ids, sum(num_tokens))))
+        except Exception as e:
+            yield sse_error(e)
+        finally:
+            stream.abort()
+        yield "data: [DONE]\n\n"
+
+
+def _merge(first: DeltaMessage | None, second: DeltaMessage | None) -> DeltaMessage | None:
+    if first is None or second is None:
+        return first or second
+    return DeltaMessage(reasoning_content=(first.reasoning_content or "") + (second.reasoning_content or "") or None,
+                        content=(first.content or "") + (second.content or "") or None,
+                        tool_calls=first.tool_calls + second.tool_calls)
+
+
+def _finish_reason(engine_reason: str | None, called: bool) -> str | None:
+    if called and engine_reason in ("stop", None):
+        return "tool_calls"
+    return engine_reason
+
+
+def _usage(prompt_ids: list[int], num_generated: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=num_generated,
+                     total_tokens=len(prompt_ids) + num_generated)
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int,
+                  tokenizer) -> ChatCompletionLogProbs:
+    """OpenAI chat logprobs: each sampled token with its `num_top` most likely alternatives."""
+    content = []
+    for token_id, step in zip(token_ids, logprobs):
+        sampled = step.get(token_id) or Logprob(float("-inf"))
+        top = sorted(step.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)[:num_top]
+        content.append(ChatCompletionLogProbsContent(
+            token=_text(sampled, token_id, tokenizer), logprob=max(sampled.logprob, _MIN_LOGPROB),
+            bytes=list(_text(sampled, token_id, tokenizer).encode("utf-8", errors="replace")),
+            top_logprobs=[ChatCompletionLogProb(token=_text(lp, tid, tokenizer), logprob=max(lp.logprob, _MIN_LOGPROB),
+                                                bytes=list(_text(lp, tid, tokenizer).encode("utf-8", errors="replace")))
+                          for tid, lp in top]))
+    return ChatCompletionLogProbs(content=content)
+
+
+def _text(logprob: Logprob, token_id: int, tokenizer) -> str:
+    if logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"

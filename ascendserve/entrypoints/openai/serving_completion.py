@@ -1,0 +1,173 @@
+"""POST /v1/completions: one or several prompts, `n` samples each, streamed or not."""
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from ascendserve.engine.outputs import Logprob
+from ascendserve.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
+                                                     CompletionResponseChoice, CompletionResponseStreamChoice,
+                                                     CompletionStreamResponse, UsageInfo, random_uuid)
+from ascendserve.entrypoints.openai.serving_engine import (OpenAIServing, SSEResponse, abort_all,
+                                                           merge_async_iterators, run_until_disconnected, sse,
+                                                           sse_error)
+
+# OpenAI's floor for a logprob that is -inf.
+_MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class _Choice:
+    """One choice being accumulated (non-streaming) or tracked (streaming)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """The /v1/completions handler."""
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request | None = None):
+        """A CompletionResponse, or an SSEResponse when `stream` is set."""
+        model = self.admit(request)
+        prompts = self._prompts(request)
+        base_id = f"cmpl-{random_uuid()}"
+        streams = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                params = self.sampling_params(request, len(ids), "prompt")
+                prompt = {"prompt_token_ids": ids, "prompt": text}
+                streams.append(await self.add(f"{base_id}-{i}", prompt, params, "prompt"))
+        except BaseException:
+            abort_all(streams)
+            raise
+        n = request.n or 1
+        if request.stream:
+            return SSEResponse(self._stream(request, model, base_id, prompts, streams, n), streams)
+        try:
+            return await run_until_disconnected(self._collect(request, model, base_id, prompts, streams, n),
+                                                raw_request)
+        finally:
+            abort_all(streams)
+
+    def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                out.append((item, self.tokenize(item, request.add_special_tokens)))
+            else:
+                out.append((None, list(item)))  # decoded only for echo, once the engine checked the ids
+        return out
+
+    def _echo(self, request: CompletionRequest, prompts, prompt_index: int) -> str:
+        if not request.echo:
+            return ""
+        text, ids = prompts[prompt_index]
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(ids)
+        return text or ""
+
+    async def _collect(self, request, model, base_id, prompts, streams, n) -> CompletionResponse:
+        choices = [_Choice() for _ in range(len(prompts) * n)]
+        async for i, output in merge_async_iterators(*streams):
+            for c in output.outputs:
+                choice = choices[i * n + c.index]
+                choice.text += c.text
+                choice.token_ids += c.token_ids
+                choice.logprobs += c.logprobs or []
+                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+        result = []
+        for index, choice in enumerate(choices):
+            echo = self._echo(request, prompts, index // n)
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = completion_logprobs(choice.token_ids, choice.logprobs, request.logprobs,
+                                               self.tokenizer, len(echo))
+            result.append(CompletionResponseChoice(index=index, text=echo + choice.text, logprobs=logprobs,
+                                                   finish_reason=choice.finish_reason,
+                                                   stop_reason=choice.stop_reason))
+        return CompletionResponse(id=base_id, model=model, choices=result,
+                                  usage=_usage(prompts, sum(len(c.token_ids) for c in choices)))
+
+    async def _stream(self, request, model, base_id, prompts, streams, n):
+        created = int(time.time())
+        choices = [_Choice() for _ in range(len(prompts) * n)]
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = bool(include_usage and request.stream_options.continuous_usage_stats)
+        try:
+            async for i, output in merge_async_iterators(*streams):
+                for c in output.outputs:
+                    index = i * n + c.index
+                    choice = choices[index]
+                    text = c.text
+                    if not choice.started:
+                        choice.started = True
+                        text = self._echo(request, prompts, i) + text
+                    offset = len(choice.text)
+                    choice.text += c.text
+                    choice.token_ids += c.token_ids
+                    if not text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = completion_logprobs(c.token_ids, c.logprobs or [], request.logprobs,
+                                                       self.tokenizer, offset)
+                    chunk = CompletionStreamResponse(
+                        id=base_id, created=created, model=model,
+                        choices=[CompletionResponseStreamChoice(index=index, text=text, logprobs=logprobs,
+                                                                finish_reason=c.finish_reason,
+                                                                stop_reason=c.stop_reason)])
+                    if continuous:
+                        chunk.usage = _usage(prompts, sum(len(ch.token_ids) for ch in choices))
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(CompletionStreamResponse(id=base_id, created=created, model=model, choices=[],
+                                                   usage=_usage(prompts, sum(len(ch.token_ids) for ch in choices))))
+        except Exception as e:
+            yield sse_error(e)
+        finally:
+            abort_all(streams)
+        yield "data: [DONE]\n\n"
+
+
+def _usage(prompts, num_generated: int) -> UsageInfo:
+    num_prompt = sum(len(ids) for _, ids in prompts)
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                     total_tokens=num_prompt + num_generated)
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int,
+                        tokenizer, initial_offset: int = 0) -> CompletionLogProbs:
+    """The legacy parallel-list layout: tokens, token_logprobs, top_logprobs (top `num_top` + sampled)."""
+    out = CompletionLogProbs()
+    offset = initial_offset
+    for token_id, step in zip(token_ids, logprobs):
+        sampled = step.get(token_id) or Logprob(float("-inf"))
+        token = _token_text(sampled, token_id, tokenizer)
+        out.tokens.append(token)
+        out.token_logprobs.append(max(sampled.logprob, _MIN_LOGPROB))
+        out.text_offset.append(offset)
+        offset += len(token)
+        top = sorted(step.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)[:num_top]
+        entry = {_token_text(lp, tid, tokenizer): max(lp.logprob, _MIN_LOGPROB) for tid, lp in top}
+        entry.setdefault(token, max(sampled.logprob, _MIN_LOGPROB))
+        out.top_logprobs.append(entry)
+    return out
+
+
+def _token_text(logprob: Logprob, token_id: int, tokenizer) -> str:
+    if logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"

@@ -1,0 +1,204 @@
+"""What chat and completions share: admission checks, sampling params, SSE framing, disconnects."""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from ascendserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from ascendserve.entrypoints.openai.errors import OpenAIError, error_body
+from ascendserve.entrypoints.openai.serving_models import ServingModels
+from ascendserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Seconds a client is asked to wait (Retry-After) when the waiting queue is full.
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerOptions:
+    """The server flags the request handlers read (everything else lives in EngineArgs)."""
+
+    max_waiting_requests: int | None = None
+    max_logprobs: int = 20
+    log_requests: bool = True
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    default_sampling_params: dict[str, Any] | None = None
+
+
+class OpenAIServing:
+    """Base of the chat and completion handlers.
+
+    `engine` is an AsyncLLM or anything with its surface: `add_request()` (awaits admission, returns
+    an async iterator of RequestOutputs with `abort()`), `tokenizer`, `config.max_model_len`,
+    `num_waiting` and `errored`.
+    """
+
+    def __init__(self, engine, models: ServingModels, options: ServerOptions) -> None:
+        self.engine = engine
+        self.models = models
+        self.options = options
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.max_model_len
+
+    def admit(self, request) -> str:
+        """The model name to answer with; raise 404 for an unknown model, 503 when overloaded."""
+        name = self.models.check_model(request.model)
+        if self.engine.errored:
+            raise OpenAIError("The engine has failed and cannot serve requests; restart the server.", 503)
+        limit = self.options.max_waiting_requests
+        if limit is not None and self.engine.num_waiting >= limit:
+            raise OpenAIError(f"The server is overloaded: {self.engine.num_waiting} requests are waiting "
+                              f"(--max-waiting-requests {limit}); retry later.", 503,
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
+        return name
+
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of a text prompt."""
+        if self.tokenizer is None:
+            raise OpenAIError("This server runs without a tokenizer (--skip-tokenizer-init): "
+                              "send token ids, not text.", 400, param="prompt")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def sampling_params(self, request, num_prompt_tokens: int, input_name: str) -> SamplingParams:
+        """SamplingParams (DELTA outputs) after the context-length and logprobs checks; 400 on a bad value."""
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, your request "
+                              f"has {num_prompt_tokens} input tokens. Please reduce the length of the "
+                              f"{input_name}.", 400, param=input_name)
+        requested = request._requested_max_tokens()
+        if requested is not None and num_prompt_tokens + requested > limit:
+            param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the {input_name}, "
+                f"{requested} in the completion). Please reduce the length of the {input_name} or "
+                f"completion.", 400, param=param)
+        try:
+            params = request.to_sampling_params(limit - num_prompt_tokens, self.options.default_sampling_params)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, param=_param_in(str(e))) from None
+        if params.logprobs is not None and params.logprobs > self.options.max_logprobs:
+            raise OpenAIError(f"Requested {params.logprobs} logprobs per token, but this server allows at most "
+                              f"{self.options.max_logprobs} (--max-logprobs).", 400, param="logprobs")
+        params.output_kind = RequestOutputKind.DELTA
+        return params
+
+    async def add(self, request_id: str, prompt: dict, params: SamplingParams, input_name: str):
+        """Queue one prompt; a ValueError from the engine's checks becomes a 400."""
+        if self.options.log_requests:
+            logger.info("Received request %s: %d prompt tokens, params: %r", request_id,
+                        len(prompt.get("prompt_token_ids", ())), params)
+        try:
+            return await self.engine.add_request(request_id, prompt, params)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, param=_param_in(str(e)) or input_name) from None
+
+
+_PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens",
+                "min_tokens", "logprobs", "logit_bias", "allowed_token_ids", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "prompt"}
+
+
+def _param_in(message: str) -> str | None:
+    """The field a SamplingParams/engine message starts with ("top_k must be ..." -> "top_k")."""
+    first = message.split(" ", 1)[0].strip(":'\".,")
+    return first if first in _PARAM_NAMES else None
+
+
+async def merge_async_iterators(*iterators) -> AsyncIterator[tuple[int, Any]]:
+    """Yield (i, item) from several async iterators as items arrive; closing it cancels the rest."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def run_until_disconnected(coro, raw_request: Request | None):
+    """Await `coro`, cancelling it (which aborts its requests) if the client goes away first."""
+    if raw_request is None:
+        return await coro
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise OpenAIError("The client disconnected before the response was ready.", 499)
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def abort_all(streams) -> None:
+    """Abort every request stream that has not finished (idempotent)."""
+    for stream in streams:
+        stream.abort()
+
+
+def sse(data) -> str:
+    """One server-sent event: `data: {...}\\n\\n`."""
+    if not isinstance(data, str):
+        data = data.model_dump_json(exclude_unset=False) if hasattr(data, "model_dump_json") else json.dumps(data)
+    return f"data: {data}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """The event a stream sends when it fails after the 200 has gone out."""
+    status = exc.status if isinstance(exc, OpenAIError) else 500
+    message = exc.message if isinstance(exc, OpenAIError) else f"{type(exc).__name__}: {exc}"
+    return sse(json.dumps(error_body(message, status)))
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that aborts its requests however it ends.
+
+    Closing the generator is not enough: a generator that never started (the client left before the
+    first byte) runs no `finally`, so `streams` are aborted here as well.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, streams) -> None:
+        super().__init__(content)
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            abort_all(self.streams)
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()

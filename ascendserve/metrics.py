@@ -1,0 +1,171 @@
+"""Prometheus metrics with vLLM's names (`vllm:*`, label `model_name`) and the periodic stats log line.
+
+Each server owns one `EngineMetrics` with its own CollectorRegistry, so two servers (or two engines)
+in one process never share a counter. The engine thread calls `record()` after every step; the
+server's `/metrics` endpoint renders `registry`; `log()` prints vLLM's throughput line.
+"""
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ascendserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+# vLLM's bucket boundaries (vllm/v1/metrics/loggers.py).
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0]
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler and caches after a step (the counters are running totals)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+@dataclass
+class FinishedRequestStats:
+    """One finished sequence."""
+
+    finish_reason: str
+    e2e_latency: float
+    queue_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one engine step produced."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class EngineMetrics:
+    """The `vllm:*` metrics of one served model, in a registry of its own."""
+
+    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        labels, r = ["model_name"], self.registry
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                labels + ["finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             _LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", _LATENCY_BUCKETS)
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", token_buckets)
+        self._last = SchedulerStats()  # counters already exported
+        self._log_prompt_tokens = 0
+        self._log_generation_tokens = 0
+        self._log_time = time.monotonic()
+        self._log_hits = (0, 0)
+        self._lock = threading.Lock()  # record() runs on the engine thread, log() on the server's
+
+    def record(self, stats: SchedulerStats, iteration: IterationStats, now: float | None = None) -> None:
+        """Export one step: gauges from the snapshot, counter deltas, and the step's latencies."""
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self._inc(self.preemptions, stats.num_preemptions - self._last.num_preemptions)
+        self._inc(self.prefix_queries, stats.prefix_cache_queries - self._last.prefix_cache_queries)
+        self._inc(self.prefix_hits, stats.prefix_cache_hits - self._last.prefix_cache_hits)
+        self._last = stats
+        self._inc(self.prompt_tokens, iteration.num_prompt_tokens)
+        self._inc(self.generation_tokens, iteration.num_generation_tokens)
+        with self._lock:
+            self._log_prompt_tokens += iteration.num_prompt_tokens
+            self._log_generation_tokens += iteration.num_generation_tokens
+        for value in iteration.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in iteration.inter_token_latencies:
+            self.itl.observe(value)
+        for f in iteration.finished:
+            self._success.labels(self.model_name, f.finish_reason).inc()
+            self.e2e.observe(f.e2e_latency)
+            self.queue_time.observe(f.queue_time)
+            self.request_prompt_tokens.observe(f.num_prompt_tokens)
+            self.request_generation_tokens.observe(f.num_generation_tokens)
+
+    @staticmethod
+    def _inc(counter, amount: float) -> None:
+        if amount > 0:
+            counter.inc(amount)
+
+    def log(self, force: bool = False) -> str | None:
+        """Log vLLM's periodic line (throughput since the last call); skipped while fully idle."""
+        now = time.monotonic()
+        elapsed = max(now - self._log_time, 1e-9)
+        stats = self._last
+        with self._lock:
+            prompt, generation = self._log_prompt_tokens, self._log_generation_tokens
+            self._log_prompt_tokens = self._log_generation_tokens = 0
+        queries = stats.prefix_cache_queries - self._log_hits[0]
+        hits = stats.prefix_cache_hits - self._log_hits[1]
+        self._log_time, self._log_hits = now, (stats.prefix_cache_queries, stats.prefix_cache_hits)
+        if not force and not (prompt or generation or stats.num_running or stats.num_waiting):
+            return None
+        line = (f"Engine 000: Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {generation / elapsed:.1f} tokens/s, "
+                f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+                f"GPU KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
+                f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
+        logger.info(line)
+        return line

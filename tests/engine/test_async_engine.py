@@ -1,0 +1,184 @@
+"""AsyncLLM: per-request queues over one engine thread; cancellation aborts; loop errors reach every caller."""
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from ascendserve.config import EngineArgs
+from ascendserve.engine.async_engine import AsyncLLM, EngineDeadError
+from ascendserve.engine.outputs import CompletionOutput, RequestOutput
+from ascendserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from ascendserve.metrics import EngineMetrics
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """The demo model behind an AsyncLLM (one per module: loading takes ~25 s)."""
+    metrics = EngineMetrics("demo", 1024)
+    llm = AsyncLLM.from_engine_args(EngineArgs(max_model_len=1024, kv_cache_memory_bytes=64 * 2**20,
+                                               max_num_seqs=8), metrics)
+    yield llm
+    llm.shutdown()
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, output_kind=RequestOutputKind.DELTA, **kw)
+
+
+async def wait_idle(llm: AsyncLLM, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = llm.scheduler_stats
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0:
+            return
+        assert time.monotonic() < deadline, stats
+        await asyncio.sleep(0.05)
+
+
+async def collect(llm: AsyncLLM, prompt, params, request_id: str) -> tuple[str, list[int], list[RequestOutput]]:
+    outputs = [o async for o in llm.generate(prompt, params, request_id)]
+    return "".join(o.outputs[0].text for o in outputs), [t for o in outputs for t in o.outputs[0].token_ids], outputs
+
+
+def test_concurrent_generators_each_get_their_own_outputs(llm):
+    prompts = ["The sky is", "One, two, three,", "My favourite food is", "def add(a, b):"]
+
+    async def run():
+        together = await asyncio.gather(*[collect(llm, p, greedy(6), f"c{i}") for i, p in enumerate(prompts)])
+        alone = [await collect(llm, p, greedy(6), f"s{i}") for i, p in enumerate(prompts)]
+        return together, alone
+    together, alone = asyncio.run(run())
+    for i, ((text, ids, outputs), (text1, ids1, _)) in enumerate(zip(together, alone)):
+        assert all(o.request_id == f"c{i}" for o in outputs)
+        assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+        assert len(ids) == 6 and (text, ids) == (text1, ids1)
+
+
+def test_cancelled_iterator_aborts_and_frees_blocks(llm):
+    async def run():
+        outputs = []
+
+        async def consume():
+            async for output in llm.generate("Once upon a time", greedy(900, ignore_eos=True), "long"):
+                outputs.append(output)
+        task = asyncio.create_task(consume())
+        while len(outputs) < 2:
+            await asyncio.sleep(0.01)
+        assert llm.scheduler_stats.kv_cache_usage > 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_idle(llm)
+        # breaking out of the loop aborts too
+        async for _ in llm.generate("Once upon a time", greedy(900, ignore_eos=True), "long2"):
+            break
+        await wait_idle(llm)
+    asyncio.run(run())
+    assert not llm.engine.scheduler.requests and not llm.engine.output_processor.parents
+
+
+def test_explicit_abort_ends_the_stream_with_finish_reason_abort(llm):
+    async def run():
+        stream = await llm.add_request("abort-me", "Hello", greedy(900, ignore_eos=True))
+        first = await anext(stream)
+        llm.abort("abort-me")
+        rest = [o async for o in stream]
+        return first, rest
+    first, rest = asyncio.run(run())
+    assert not first.finished and rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+
+
+def test_bad_request_raises_at_add(llm):
+    async def run():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await llm.add_request("too-long", {"prompt_token_ids": [1] * 2000}, greedy(4))
+        with pytest.raises(ValueError, match="empty"):
+            await llm.add_request("empty", {"prompt_token_ids": []}, greedy(4))
+        await wait_idle(llm)
+    asyncio.run(run())
+
+
+def test_metrics_move_and_registries_are_separate(llm):
+    generated = llm.metrics.generation_tokens._value.get()
+    asyncio.run(collect(llm, "Hi", greedy(3, ignore_eos=True), "m1"))
+    assert llm.metrics.generation_tokens._value.get() == generated + 3
+    other = EngineMetrics("demo", 1024)  # same names, another registry: no clash, no sharing
+    assert other.generation_tokens._value.get() == 0
+
+
+# -- engine failures, with a scripted engine ---------------------------------------------------------
+
+class FailingEngine:
+    """LLMEngine's surface; step() produces one token per request, then raises on the `fail_at`-th call."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.tokenizer = None
+        self.config = SimpleNamespace(max_model_len=100)
+        self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
+        self.kv_cache_manager = SimpleNamespace(usage=lambda: 0.0, num_queries=0, num_hits=0)
+        self.output_processor = SimpleNamespace(parents={})
+        self.requests: list[str] = []
+        self.fail_at, self.steps = fail_at, 0
+        self.thread_ids: set[int] = set()
+
+    def add_request(self, request_id, prompt, params, arrival_time=None):
+        self.thread_ids.add(threading.get_ident())
+        self.requests.append(request_id)
+        child = SimpleNamespace(num_output_tokens=0, num_prompt_tokens=1, first_scheduled_time=None)
+        self.output_processor.parents[request_id] = SimpleNamespace(children=[SimpleNamespace(request=child)])
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.thread_ids.add(threading.get_ident())
+        self.steps += 1
+        if self.steps >= self.fail_at:
+            raise RuntimeError("device lost")
+        time.sleep(0.01)
+        return [RequestOutput(r, None, [1], [CompletionOutput(0, "x", [7], None, None)], False)
+                for r in self.requests]
+
+    def abort_request(self, request_ids):
+        self.requests = [r for r in self.requests if r not in request_ids]
+        return []
+
+
+def test_engine_error_reaches_every_caller_and_later_ones():
+    engine = FailingEngine(fail_at=3)
+    llm = AsyncLLM(engine)
+
+    async def run():
+        async def consume(i):
+            return [o async for o in llm.generate("x", greedy(10), f"r{i}")]
+        results = await asyncio.wait_for(asyncio.gather(*[consume(i) for i in range(3)], return_exceptions=True),
+                                         timeout=10)
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("late", "x", greedy(1))
+        return results
+    results = asyncio.run(run())
+    assert all(isinstance(r, EngineDeadError) and "device lost" in str(r) for r in results), results
+    assert llm.errored and isinstance(llm.dead_error, RuntimeError)
+    assert len(engine.thread_ids) == 1 and threading.get_ident() not in engine.thread_ids  # engine thread only
+    llm.shutdown()
+
+
+def test_caller_cancelled_before_the_add_is_applied_leaves_nothing_behind():
+    engine = FailingEngine(fail_at=10**9)
+    engine.requests.append("busy")  # keeps the loop stepping, so adds wait in the inbox
+    llm = AsyncLLM(engine)
+
+    async def run():
+        task = asyncio.create_task(llm.add_request("cancelled", "x", greedy(1)))
+        await asyncio.sleep(0)  # the add is queued
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stream = await asyncio.wait_for(llm.add_request("after", "x", greedy(1)), timeout=5)  # loop still alive
+        return await asyncio.wait_for(anext(stream), timeout=5)
+    output = asyncio.run(run())
+    assert output.request_id == "after" and "cancelled" not in engine.requests and not llm.errored
+    llm.shutdown()

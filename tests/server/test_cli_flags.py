@@ -1,0 +1,120 @@
+"""`ascendserve serve` flags: vLLM command lines parse, bad values stop start-up, inert flags warn once each."""
+
+import logging
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from ascendserve.cli import serve as serve_cli
+from ascendserve.cli.main import build_parser, main
+
+USER_LINE = ("serve Qwen/Qwen3.5-27B --tensor-parallel-size 1 --reasoning-parser qwen3 "
+             "--tool-call-parser qwen3_coder --enable-auto-tool-choice --max-model-len 32768 "
+             "--gpu-memory-utilization 0.9 --served-model-name qwen3.5 --port 8000 --host 0.0.0.0")
+ASCEND_LINE = (
+    "serve Eco-Tech/Qwen3.5-397B-A17B-w8a8-mtp --data-parallel-size 1 --tensor-parallel-size 1 "
+    "--enable-expert-parallel --seed 1024 --quantization ascend --served-model-name qwen3.5 "
+    "--max-num-seqs 128 --max-model-len 133000 --max-num-batched-tokens 16384 --trust-remote-code "
+    "--gpu-memory-utilization 0.90 --enable-prefix-caching --no-enable-prefix-caching --block-size 128 "
+    "--speculative-config '{\"method\": \"qwen3_5_mtp\", \"num_speculative_tokens\": 3, \"enforce_eager\": true}' "
+    "--compilation-config '{\"cudagraph_mode\":\"FULL_DECODE_ONLY\"}' "
+    "--additional-config '{\"enable_cpu_binding\":true, \"enable_fused_mc2\":1}' --async-scheduling "
+    "--enforce-eager --dtype bfloat16 --allowed-local-media-path / --limit-mm-per-prompt '{\"image\": 2}' "
+    "--skip-mm-profiling --max-logprobs 10 --worker-use-ray --distributed-executor-backend mp "
+    "--uvicorn-log-level warning --disable-log-requests --api-key abc --allowed-origins '[\"http://a\"]' "
+    "--allowed-methods GET POST --allowed-headers '[\"*\"]' --chat-template '{{ messages }}'")
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def warnings():
+    handler = _Records()
+    logger = logging.getLogger("ascendserve")
+    logger.addHandler(handler)
+    yield handler.messages
+    logger.removeHandler(handler)
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """Run `main()` up to the point where the engine would load; return what it would serve with."""
+    seen = {}
+
+    def fake_serve(ns, args, chat_template):
+        seen.update(ns=ns, args=args, chat_template=chat_template)
+    monkeypatch.setattr(serve_cli, "serve", fake_serve)
+    return seen
+
+
+def test_users_vllm_line_parses(started):
+    assert main(shlex.split(USER_LINE)) == 0
+    args = started["args"]
+    assert args.model == "Qwen/Qwen3.5-27B" and args.max_model_len == 32768
+    assert started["ns"].served_model_name == ["qwen3.5"] and started["ns"].enable_auto_tool_choice
+
+
+def test_ascend_line_parses_and_warns_once_per_inert_flag(started, warnings):
+    assert main(shlex.split(ASCEND_LINE)) == 0
+    ns, args = started["ns"], started["args"]
+    assert args.enable_prefix_caching is False and args.block_size == 128 and args.seed == 1024
+    assert ns.compilation_config == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert ns.additional_config == {"enable_cpu_binding": True, "enable_fused_mc2": 1}
+    assert ns.limit_mm_per_prompt == {"image": 2} and ns.max_logprobs == 10
+    assert ns.allowed_origins == [["http://a"]] and started["chat_template"] == "{{ messages }}"
+    inert = ["--enable-expert-parallel", "--quantization", "--speculative-config", "--compilation-config",
+             "--additional-config", "--async-scheduling", "--allowed-local-media-path", "--limit-mm-per-prompt",
+             "--skip-mm-profiling", "--worker-use-ray", "--distributed-executor-backend"]
+    for flag in inert:
+        assert sum(m.startswith(flag + " ") for m in warnings) == 1, (flag, warnings)
+    assert not any(m.startswith("--data-parallel-size ") for m in warnings)  # 1 is what we do anyway
+    assert len(warnings) == len(inert)
+
+
+@pytest.mark.parametrize("flag", sorted(serve_cli.JSON_FLAG_EXAMPLES))
+def test_bad_json_flag_stops_with_value_error_and_example(flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", flag, "{cudagraph_mode: FULL}"])
+    assert info.value.code != 0
+    err = capsys.readouterr().err
+    assert "{cudagraph_mode: FULL}" in err and "Expecting property name" in err
+    assert f"A correct example: {flag} '{{" in err
+
+
+def test_bad_json_exit_code_in_a_real_process():
+    proc = subprocess.run([sys.executable, "-m", "ascendserve.cli.main", "serve", "--compilation-config", "FULL"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "'FULL'" in proc.stderr and '--compilation-config \'{"cudagraph_mode":"FULL_DECODE_ONLY"}\'' in proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tensor-parallel-size", "2"], "tensor_parallel_size must be 1"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+    (["--tool-call-parser", "nope"], "known tool-call parsers: hermes, qwen3_coder"),
+    (["--reasoning-parser", "nope"], "known reasoning parsers"),
+    (["--chat-template", "no-such-file.jinja"], "neither an existing file nor a Jinja template"),
+    (["--max-waiting-requests", "-1"], "--max-waiting-requests must be >= 0"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
+])
+def test_bad_values_stop_before_loading(started, capsys, argv, message):
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not started  # the engine was never built
+
+
+def test_vllm_api_key_env(started, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert main(["serve"]) == 0
+    assert started["ns"].api_key == "from-env" and started["args"].model is None
+    assert main(["serve", "--api-key", "flag"]) == 0
+    assert started["ns"].api_key == "flag"

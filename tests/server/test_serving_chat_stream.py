@@ -1,0 +1,242 @@
+"""The chat glue with the real qwen3 / qwen3_coder parsers and the Qwen3.5 tokenizer, on scripted outputs.
+
+The demo model never writes `<think>` or `<tool_call>`, so here a scripted engine plays Qwen3.5: the
+app is the real one (in-process), only the engine is a double with AsyncLLM's surface.
+"""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from ascendserve.engine.outputs import CompletionOutput, RequestOutput
+from ascendserve.entrypoints.openai.api_server import build_app
+from ascendserve.entrypoints.openai.protocol import ChatCompletionRequest
+from ascendserve.entrypoints.openai.serving_chat import ChatChoiceParser
+from ascendserve.entrypoints.openai.serving_engine import ServerOptions
+from ascendserve.entrypoints.openai.serving_models import ServingModels
+from ascendserve.parsers.reasoning import get_reasoning_parser
+from ascendserve.parsers.tool import get_tool_parser
+from tests.fixtures.qwen3_5_tokenizer import load_qwen3_5_tokenizer
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+REASONING_THEN_CALL = "The user wants weather.\n</think>\n\n" + CALL
+REASONING_THEN_ANSWER = "Think about it.\n</think>\n\nIt is sunny."
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_qwen3_5_tokenizer()
+
+
+def pieces_of(tokenizer, text: str) -> list[tuple[str, list[int]]]:
+    """The text as the engine streams it: one (text, [token id]) per token."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return [(tokenizer.decode([i], skip_special_tokens=False), [i]) for i in ids]
+
+
+def make_parser(tokenizer, request, prefix=""):
+    reasoning = get_reasoning_parser("qwen3")(tokenizer, request.chat_template_kwargs)
+    tool = get_tool_parser("qwen3_coder")(tokenizer) if request.tools else None
+    return ChatChoiceParser(request, None if prefix else reasoning, tool, prefix)
+
+
+def stream_through(parser: ChatChoiceParser, pieces) -> dict:
+    """Feed pieces, then finish; return the concatenated fields."""
+    out = {"reasoning": "", "content": "", "calls": {}}
+    deltas = [parser.feed(text, ids) for text, ids in pieces] + [parser.finish()]
+    for d in deltas:
+        if d is None:
+            continue
+        out["reasoning"] += d.reasoning_content or ""
+        out["content"] += d.content or ""
+        for call in d.tool_calls:
+            entry = out["calls"].setdefault(call.index, {"name": None, "arguments": ""})
+            entry["name"] = entry["name"] or call.function.name
+            entry["arguments"] += call.function.arguments or ""
+    return out
+
+
+@pytest.mark.parametrize("text, tools", [(REASONING_THEN_ANSWER, None), (REASONING_THEN_CALL, TOOLS),
+                                         ("plain answer, no thinking tags", None)])
+def test_streamed_deltas_add_up_to_the_non_streamed_message(tokenizer, text, tools):
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools)
+    streamed = stream_through(make_parser(tokenizer, request), pieces_of(tokenizer, text))
+    full = make_parser(tokenizer, request).parse(text)
+    assert streamed["reasoning"] == (full.reasoning_content or "")
+    assert streamed["content"].strip() == (full.content or "").strip()
+    assert [c["name"] for c in streamed["calls"].values()] == [c.function.name for c in full.tool_calls]
+    for streamed_call, call in zip(streamed["calls"].values(), full.tool_calls):
+        assert json.loads(streamed_call["arguments"]) == json.loads(call.function.arguments)
+
+
+def test_reasoning_then_call(tokenizer):
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+    message = make_parser(tokenizer, request).parse(REASONING_THEN_CALL)
+    assert message.reasoning_content == "The user wants weather.\n" and message.reasoning == message.reasoning_content
+    assert message.content is None
+    assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Paris", "days": 3}
+
+
+def test_thinking_disabled_is_all_content(tokenizer):
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                    chat_template_kwargs={"enable_thinking": False})
+    streamed = stream_through(make_parser(tokenizer, request), pieces_of(tokenizer, "Hello there"))
+    assert streamed == {"reasoning": "", "content": "Hello there", "calls": {}}
+
+
+def test_forced_prefix_makes_a_call_of_any_output(tokenizer):
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS,
+                                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    prefix = "<tool_call>\n<function=get_weather>\n"
+    for text in ["<parameter=city>\nRome\n", "", "garbage text"]:
+        streamed = stream_through(make_parser(tokenizer, request, prefix), pieces_of(tokenizer, text))
+        assert [c["name"] for c in streamed["calls"].values()] == ["get_weather"]
+        assert isinstance(json.loads(streamed["calls"][0]["arguments"]), dict)
+        assert not streamed["content"]
+
+
+# -- the app with a scripted engine ----------------------------------------------------------------
+
+class ScriptedEngine:
+    """AsyncLLM's surface; every request 'generates' `script`, one token per output."""
+
+    def __init__(self, tokenizer, script: str = REASONING_THEN_CALL, num_waiting: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.config = SimpleNamespace(max_model_len=4096)
+        self.script = script
+        self.num_waiting = num_waiting
+        self.errored = False
+        self.prompts: list[dict] = []
+        self.aborted: list[str] = []
+
+    async def add_request(self, request_id, prompt, params):
+        self.prompts.append(prompt)
+        pieces = pieces_of(self.tokenizer, self.script)[:params.max_tokens]
+        return _ScriptedStream(self, request_id, prompt["prompt_token_ids"], pieces, params.max_tokens)
+
+
+class _ScriptedStream:
+    def __init__(self, engine, request_id, prompt_ids, pieces, max_tokens):
+        self.engine, self.request_id, self.prompt_ids = engine, request_id, prompt_ids
+        self.pieces, self.finished, self.max_tokens = list(pieces), False, max_tokens
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.pieces:
+            raise StopAsyncIteration
+        text, ids = self.pieces.pop(0)
+        last = not self.pieces
+        reason = ("length" if self.max_tokens == len(ids) else "stop") if last else None
+        self.finished = last
+        return RequestOutput(self.request_id, None, self.prompt_ids,
+                             [CompletionOutput(0, text, ids, None, None, reason)], last)
+
+    def abort(self):
+        if not self.finished:
+            self.finished = True
+            self.engine.aborted.append(self.request_id)
+
+
+def make_client(engine, **options) -> TestClient:
+    opts = ServerOptions(reasoning_parser="qwen3", tool_call_parser="qwen3_coder", enable_auto_tool_choice=True,
+                         log_requests=False)
+    for key, value in options.items():
+        setattr(opts, key, value)
+    tool_cls = get_tool_parser("qwen3_coder") if opts.tool_call_parser else None
+    app = build_app(engine, ServingModels(["qwen3.5"], "/models/qwen3.5", 4096), opts,
+                    reasoning_parser_cls=get_reasoning_parser("qwen3"), tool_parser_cls=tool_cls)
+    return TestClient(app)
+
+
+def test_app_non_streaming_reasoning_and_tool_calls(tokenizer):
+    client = make_client(ScriptedEngine(tokenizer))
+    body = {"model": "qwen3.5", "messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning_content"] == "The user wants weather.\n"
+    assert choice["message"]["reasoning"] == "The user wants weather.\n"
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "days": 3}
+
+
+def test_app_streaming_reasoning_and_tool_calls(tokenizer):
+    client = make_client(ScriptedEngine(tokenizer))
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "The user wants weather.\n"
+    assert not "".join(d.get("content") or "" for d in deltas).strip()
+    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert json.loads("".join(tc["function"]["arguments"] or "" for tc in calls)) == {"city": "Paris", "days": 3}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_app_named_tool_choice_forces_the_opening_into_the_prompt(tokenizer):
+    engine = ScriptedEngine(tokenizer, script="<parameter=city>\nOslo\n</parameter>\n")
+    client = make_client(engine)
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert engine.prompts[0]["prompt"].endswith("</think>\n\n<tool_call>\n<function=get_weather>\n")
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "tool_calls"
+
+
+def test_app_auto_tool_choice_needs_the_flag(tokenizer):
+    client = make_client(ScriptedEngine(tokenizer), enable_auto_tool_choice=False)
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                                                  "tool_choice": "auto"})
+    assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "tool_choice"
+    client = make_client(ScriptedEngine(tokenizer), tool_call_parser=None, enable_auto_tool_choice=False)
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                                                  "tool_choice": "required"})
+    assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"]
+
+
+def test_app_overload_and_dead_engine(tokenizer):
+    engine = ScriptedEngine(tokenizer, num_waiting=5)
+    client = make_client(engine, max_waiting_requests=5)
+    r = client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "ServiceUnavailableError"
+    engine.errored = True
+    assert client.get("/health").status_code == 503
+
+
+def test_app_cors_follows_the_flags(tokenizer):
+    app = build_app(ScriptedEngine(tokenizer), ServingModels(["qwen3.5"], "/m", 4096), ServerOptions(),
+                    cors={"allowed_origins": ["http://good.example"], "allowed_methods": ["POST"],
+                          "allowed_headers": ["Authorization", "Content-Type"]})
+    client = TestClient(app)
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "Authorization"}
+    ok = client.options("/v1/completions", headers={"Origin": "http://good.example", **preflight})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://good.example"
+    bad = client.options("/v1/completions", headers={"Origin": "http://evil.example", **preflight})
+    assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+
+
+def test_stats_log_line_like_vllm():
+    from ascendserve.metrics import EngineMetrics, IterationStats, SchedulerStats
+
+    metrics = EngineMetrics("m", 2048)
+    assert metrics.log() is None  # idle: nothing to say
+    metrics.record(SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, prefix_cache_queries=100,
+                                  prefix_cache_hits=40), IterationStats(num_prompt_tokens=50, num_generation_tokens=10))
+    line = metrics.log()
+    for part in ["Avg prompt throughput:", "Avg generation throughput:", "Running: 2 reqs", "Waiting: 1 reqs",
+                 "GPU KV cache usage: 25.0%", "Prefix cache hit rate: 40.0%"]:
+        assert part in line, line
