@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
-# The main job: set up .venv if needed, then run ascendserve on the embedded demo model.
-# Extra arguments go to the command (e.g. --port 8000).
+# The main job: set up .venv if needed, then serve the embedded demo model on the OpenAI API
+# (http://127.0.0.1:8000/v1). Extra arguments go to `ascendserve serve` (e.g. --port 8001, or a model).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_venv.sh"
-if "$ROOT/.venv/bin/ascendserve" serve --help >/dev/null 2>&1; then
-  exec "$ROOT/.venv/bin/ascendserve" serve "$@"
-fi
-exec "$ROOT/.venv/bin/ascendserve" generate "What is the capital of France?" "$@"
+exec "$ROOT/.venv/bin/ascendserve" serve "$@"

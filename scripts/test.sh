@@ -4,4 +4,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_venv.sh"
 cd "$ROOT"
-exec "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+exec "$ROOT/.venv/bin/python" -m pytest -p no:cacheprovider "$@"
