@@ -8,6 +8,7 @@ from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
 
+DEFAULT_MAX_NUM_SEQS = 256
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 
 
@@ -23,7 +24,7 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int | None = 0
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None: 256, fewer for hybrid models if their state pool needs it
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool | None = None  # None: on, except where the model cannot support it
@@ -89,4 +90,5 @@ class EngineConfig:
     device: Any = None  # torch.device
     platform: Any = None
     served_model_name: str = ""
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # resolved when the cache is planned
     extra: dict[str, Any] = field(default_factory=dict)

@@ -38,7 +38,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.args.block_size, config.enable_prefix_caching)
         self.state_cache_manager = (StateCacheManager(self.runner.num_state_slots)
                                     if self.runner.num_state_slots else None)
-        self.scheduler = Scheduler(self.kv_cache_manager, config.args.max_num_seqs,
+        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
                                    config.args.enable_chunked_prefill, self.state_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)

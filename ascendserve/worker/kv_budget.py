@@ -6,7 +6,7 @@ running request) is taken first, the KV blocks get the rest.
 
 import torch
 
-from ascendserve.config import EngineConfig
+from ascendserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig
 from ascendserve.logger import init_logger
 from ascendserve.worker.model_runner import is_hybrid, kv_cache_bytes_per_block, state_cache_bytes_per_slot
 
@@ -20,37 +20,43 @@ class KVCacheTooSmallError(ValueError):
 
 
 def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
-    """Blocks from num_gpu_blocks_override, else kv_cache_memory_bytes, else the platform default."""
+    """Blocks from num_gpu_blocks_override, else kv_cache_memory_bytes, else the platform default.
+
+    Also settles `config.max_num_seqs` (one state slot per sequence on hybrid models).
+    """
     args = config.args
     spec = model.kv_cache_spec()
     per_block = kv_cache_bytes_per_block(spec, args.block_size, config.dtype)
     per_slot = state_cache_bytes_per_slot(model.state_cache_spec(), config.dtype) if is_hybrid(model) else 0
-    state_bytes = args.max_num_seqs * per_slot
-    state_note = ""
-    if state_bytes:
-        state_note = (f"; state cache: {args.max_num_seqs} slots (max_num_seqs) x {per_slot} bytes = "
-                      f"{_size(state_bytes)} (conv states in {config.dtype}, recurrent states in float32)")
-    if args.num_gpu_blocks_override is not None:
-        num_blocks, source = args.num_gpu_blocks_override, "num_gpu_blocks_override"
-    else:
+    budget, source = None, "num_gpu_blocks_override"
+    if args.num_gpu_blocks_override is None:
         if args.kv_cache_memory_bytes is not None:
             budget, source = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         else:
             weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             budget = config.platform.default_kv_cache_bytes(args.gpu_memory_utilization, weight_bytes)
             source = f"{config.platform.name} default"
+    config.max_num_seqs = _resolve_max_num_seqs(args.max_num_seqs, per_slot, budget)
+    state_bytes = config.max_num_seqs * per_slot
+    state_note = ""
+    if state_bytes:
+        state_note = (f"; state cache: {config.max_num_seqs} slots (max_num_seqs) x {per_slot} bytes = "
+                      f"{_size(state_bytes)} (conv states in {config.dtype}, recurrent states in float32)")
+    if budget is None:
+        num_blocks = args.num_gpu_blocks_override
+    else:
         if state_bytes > budget:
             raise KVCacheTooSmallError(
-                f"the state pool of {args.max_num_seqs} slots (max_num_seqs) x {per_slot} bytes needs "
+                f"the state pool of {config.max_num_seqs} slots (max_num_seqs) x {per_slot} bytes needs "
                 f"{_size(state_bytes)}, more than the whole cache budget of {_size(budget)} (from {source}); "
                 f"lower max_num_seqs or give the cache more memory")
         num_blocks = max((budget - state_bytes) // per_block, 0)
         if state_bytes:
             source += " minus the state pool"
     needed = -(-config.max_model_len // args.block_size)
-    logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %.2f GiB (%s, %d layers); "
+    logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %s (%s, %d layers); "
                 "%.1f requests of max_model_len %d fit at once%s", source, num_blocks, args.block_size,
-                num_blocks * args.block_size, num_blocks * per_block / GiB, config.dtype,
+                num_blocks * args.block_size, _size(num_blocks * per_block), config.dtype,
                 spec["num_layers"], num_blocks / needed, config.max_model_len, state_note)
     if num_blocks < needed:
         raise KVCacheTooSmallError(
@@ -60,6 +66,20 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
             f"lower max_model_len or give the cache more memory (kv_cache_memory_bytes, "
             f"num_gpu_blocks_override or gpu_memory_utilization)" + (" or lower max_num_seqs" if state_bytes else ""))
     return num_blocks
+
+
+def _resolve_max_num_seqs(requested: int | None, per_slot: int, budget: int | None) -> int:
+    """The user's max_num_seqs; by default 256, or for a hybrid model as many state slots as fit
+    in half of the cache budget (so the KV blocks keep the other half), whichever is smaller."""
+    if requested is not None:
+        return requested
+    if not per_slot or budget is None or DEFAULT_MAX_NUM_SEQS * per_slot <= budget // 2:
+        return DEFAULT_MAX_NUM_SEQS
+    fit = max(1, budget // 2 // per_slot)
+    logger.info("max_num_seqs not set: using %d (not %d) so that the recurrent-state pool (%s per sequence) "
+                "takes at most half of the %s cache budget; set --max-num-seqs to choose", fit,
+                DEFAULT_MAX_NUM_SEQS, _size(per_slot), _size(budget))
+    return fit
 
 
 def _size(num_bytes: int) -> str:

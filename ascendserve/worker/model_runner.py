@@ -80,7 +80,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(model.kv_cache_spec(), num_blocks, self.block_size,
                                             config.dtype, self.device)
         # Hybrid models (Gated DeltaNet): one state slot per running request, max_num_seqs slots.
-        self.num_state_slots = config.args.max_num_seqs if is_hybrid(model) else 0
+        self.num_state_slots = config.max_num_seqs if is_hybrid(model) else 0
         self.state_caches = None
         if self.num_state_slots:
             self.state_caches = allocate_state_caches(model.state_cache_spec(), self.num_state_slots,

@@ -195,7 +195,14 @@ def test_state_pool_that_does_not_fit_is_a_clear_error(checkpoints):
     # 3 layers x (conv 128 x 3 + recurrent 4 x 16 x 16) x 4 bytes = 16896 bytes per slot
     expected = r"state pool of 256 slots \(max_num_seqs\) x 16896 bytes needs 4.12 MiB, more than .* 1.00 MiB"
     with pytest.raises(KVCacheTooSmallError, match=expected):
-        _llm(path, kv_cache_memory_bytes=1 << 20)
+        _llm(path, kv_cache_memory_bytes=1 << 20, max_num_seqs=256)
+
+
+def test_default_max_num_seqs_leaves_half_the_budget_to_kv_blocks(checkpoints):
+    path, _, _ = checkpoints("dense")
+    engine = _llm(path, kv_cache_memory_bytes=1 << 20, max_model_len=128).llm_engine
+    assert engine.config.max_num_seqs == (1 << 20) // 2 // 16896 == 31
+    assert engine.state_cache_manager.num_slots == 31 and engine.scheduler.max_num_seqs == 31
 
 
 def test_mrope_matches_transformers():
