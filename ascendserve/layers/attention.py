@@ -6,6 +6,7 @@ of a request with block table bt lives at slot bt[p // block_size] * block_size 
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,8 +27,8 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     decode_token_idx: torch.Tensor | None  # [Bd] rows of the single-token requests
-    decode_kv_slots: torch.Tensor | None  # [Bd, max_context] slots (padded with slot 0)
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_context] bool, False on padding
+    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] their block tables (padded with block 0)
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] bool, False past the context
     prefills: list[PrefillSeq]
 
 
@@ -51,7 +52,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     k_flat = kv_cache[0].view(-1, *k.shape[1:])
     v_flat = kv_cache[1].view(-1, *v.shape[1:])
     if meta.decode_token_idx is not None:
-        out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], k_flat, v_flat, meta, scale)
+        out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], kv_cache, meta, scale)
     for seq in meta.prefills:
         rows = slice(seq.token_start, seq.token_end)
         if seq.kv_slots is None:
@@ -62,9 +63,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     return out
 
 
-def _decode(q, k_flat, v_flat, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    ks = k_flat[meta.decode_kv_slots]  # [Bd, ctx, Hk, D]
-    vs = v_flat[meta.decode_kv_slots]
+def _decode(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    # Gather whole blocks (block_size contiguous rows each) rather than single token rows.
+    num_decodes, num_blocks = meta.decode_block_tables.shape
+    ks = kv_cache[0][meta.decode_block_tables].view(num_decodes, -1, *kv_cache.shape[-2:])
+    vs = kv_cache[1][meta.decode_block_tables].view(num_decodes, -1, *kv_cache.shape[-2:])
     return _sdpa(q.unsqueeze(1), ks, vs, meta.decode_mask, scale, causal=False)[:, 0]
 
 
@@ -80,45 +83,47 @@ def _sdpa(q, k, v, mask, scale, causal=True) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def build_attention_metadata(query_lens: list[int], start_positions: list[int],
+def build_attention_metadata(query_lens: np.ndarray, start_positions: np.ndarray, positions: np.ndarray,
                              block_tables: list[list[int]], block_size: int,
                              device: torch.device) -> AttentionMetadata:
-    """Turn per-request (new tokens, start position, block table) into gather indices and masks.
+    """Turn per-request (new tokens, start position, block table) into slots, gathers and masks.
 
-    Example, block_size 4: a request with block table [7, 2] and 6 tokens has slots
-    [28, 29, 30, 31, 8, 9].
+    `positions` are the packed positions of every new token. Example, block_size 4: a request with
+    block table [7, 2] computing positions 4..5 writes slots [8, 9] (block 2, offsets 0 and 1).
     """
-    slots, decode_rows, decode_ctx, prefills = [], [], [], []
+    num_reqs = len(query_lens)
+    max_blocks = max(len(t) for t in block_tables)
+    tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+    for i, table in enumerate(block_tables):
+        tables[i, :len(table)] = table
+    req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+    slots = tables[req_of_token, positions // block_size] * block_size + positions % block_size
+    meta = AttentionMetadata(torch.from_numpy(slots).to(device), None, None, None, [])
+    context_lens = start_positions + query_lens
+    is_decode = query_lens == 1
+    if is_decode.any():
+        rows = (np.cumsum(query_lens) - query_lens)[is_decode]
+        decode_tables = tables[is_decode, :int(-(-context_lens[is_decode].max() // block_size))]
+        span = np.arange(decode_tables.shape[1] * block_size)
+        mask = span[None, :] < context_lens[is_decode][:, None]
+        meta.decode_token_idx = torch.from_numpy(rows).to(device)
+        meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(decode_tables)).to(device)
+        meta.decode_mask = torch.from_numpy(mask)[:, None, None, :].to(device)
     row = 0
-    for q_len, start, table in zip(query_lens, start_positions, block_tables):
-        ctx = start + q_len
-        all_slots = _slots(table, ctx, block_size)
-        slots.extend(all_slots[start:])
-        if q_len == 1:
-            decode_rows.append(row)
-            decode_ctx.append(all_slots)
-        else:
-            prefills.append(_prefill_seq(row, q_len, start, all_slots, device))
+    for i in range(num_reqs):
+        q_len, start = int(query_lens[i]), int(start_positions[i])
+        if q_len > 1:
+            meta.prefills.append(_prefill_seq(row, q_len, start, tables[i], block_size, device))
         row += q_len
-    meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), None, None, None, prefills)
-    if decode_rows:
-        max_ctx = max(len(s) for s in decode_ctx)
-        padded = [s + [0] * (max_ctx - len(s)) for s in decode_ctx]
-        lens = torch.tensor([len(s) for s in decode_ctx], device=device)
-        meta.decode_token_idx = torch.tensor(decode_rows, dtype=torch.long, device=device)
-        meta.decode_kv_slots = torch.tensor(padded, dtype=torch.long, device=device)
-        meta.decode_mask = (torch.arange(max_ctx, device=device)[None, :] < lens[:, None])[:, None, None, :]
     return meta
 
 
-def _slots(table: list[int], num_tokens: int, block_size: int) -> list[int]:
-    return [table[p // block_size] * block_size + p % block_size for p in range(num_tokens)]
-
-
-def _prefill_seq(row: int, q_len: int, start: int, all_slots: list[int], device) -> PrefillSeq:
+def _prefill_seq(row: int, q_len: int, start: int, table: np.ndarray, block_size: int, device) -> PrefillSeq:
     if start == 0:
         return PrefillSeq(row, row + q_len, None, None)
     ctx = start + q_len
+    span = np.arange(ctx)
+    kv_slots = table[span // block_size] * block_size + span % block_size
     q_pos = torch.arange(start, ctx, device=device)[:, None]
     mask = torch.arange(ctx, device=device)[None, :] <= q_pos
-    return PrefillSeq(row, row + q_len, torch.tensor(all_slots, dtype=torch.long, device=device), mask)
+    return PrefillSeq(row, row + q_len, torch.from_numpy(kv_slots).to(device), mask)

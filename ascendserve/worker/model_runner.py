@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from ascendserve.config import EngineConfig
@@ -92,14 +93,16 @@ class ModelRunner:
         if sched.is_empty():
             return ModelRunnerOutput({}, {})
         input_ids, positions, logits_rows, sampling = self._prepare_inputs(sched)
-        query_lens = [len(s.token_ids) for s in sched.scheduled]
-        starts = [s.start_pos for s in sched.scheduled]
-        meta = build_attention_metadata(query_lens, starts, [s.block_ids for s in sched.scheduled],
+        query_lens = np.fromiter((len(s.token_ids) for s in sched.scheduled), dtype=np.int64)
+        starts = np.fromiter((s.start_pos for s in sched.scheduled), dtype=np.int64)
+        meta = build_attention_metadata(query_lens, starts, positions, [s.block_ids for s in sched.scheduled],
                                         self.block_size, self.device)
+        positions = torch.from_numpy(positions).to(self.device)
         if self.state_caches is None:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         else:
-            state_meta = build_state_metadata(query_lens, starts, [s.state_slot for s in sched.scheduled],
+            state_meta = build_state_metadata(query_lens.tolist(), starts.tolist(),
+                                              [s.state_slot for s in sched.scheduled],
                                               self.device)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.state_caches, state_meta)
         if not logits_rows:
@@ -111,17 +114,18 @@ class ModelRunner:
         return ModelRunnerOutput(dict(zip(ids, out.sampled_token_ids)), logprobs)
 
     def _prepare_inputs(self, sched: SchedulerOutput):
+        """Packed token ids (tensor), positions (numpy), rows to sample and their sampling rows."""
         tokens, positions, logits_rows, sampling = [], [], [], []
         for s in sched.scheduled:
             tokens.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+            positions.append(np.arange(s.start_pos, s.start_pos + len(s.token_ids)))
             if s.sample:
                 logits_rows.append(len(tokens) - 1)
                 req = s.request
                 sampling.append((s.request_id, SamplingRow(
                     req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids)))
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(tokens), as_tensor(positions), logits_rows, sampling
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return input_ids, np.concatenate(positions), logits_rows, sampling
 
 
 def kv_cache_bytes_per_block(spec: dict, block_size: int, dtype: torch.dtype) -> int:
