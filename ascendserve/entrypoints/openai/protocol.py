@@ -16,7 +16,6 @@ logger = init_logger(__name__)
 # vLLM's bounds for `seed` (a C long).
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
 # OpenAI's limit on top_logprobs / logprobs (vLLM's default --max-logprobs).
-MAX_LOGPROBS = 20
 # vLLM's sampling defaults, used when neither the request nor the model's generation config sets one.
 _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
@@ -326,7 +325,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(0, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(0, ge=0)  # upper bound: the server's --max-logprobs
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
     parallel_tool_calls: bool | None = True
@@ -386,7 +385,7 @@ class CompletionRequest(_SamplingRequest):
     """The body of POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # upper bound: the server's --max-logprobs
     suffix: str | None = None
     add_special_tokens: bool = True
 

@@ -89,8 +89,9 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(str(e), 400, param=_param_in(str(e))) from None
         if params.logprobs is not None and params.logprobs > self.options.max_logprobs:
-            raise OpenAIError(f"Requested {params.logprobs} logprobs per token, but this server allows at most "
-                              f"{self.options.max_logprobs} (--max-logprobs).", 400, param="logprobs")
+            field = "top_logprobs" if getattr(request, "top_logprobs", None) else "logprobs"
+            raise OpenAIError(f"{field}: requested {params.logprobs} logprobs per token, but this server allows "
+                              f"at most {self.options.max_logprobs} (--max-logprobs).", 400, param=field)
         params.output_kind = RequestOutputKind.DELTA
         return params
 
