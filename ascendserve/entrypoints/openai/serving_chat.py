@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: chat template, reasoning and tool-call parsing, streamed or not."""
 
 import time
-from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -14,7 +13,7 @@ from ascendserve.entrypoints.openai.protocol import (ChatCompletionLogProb, Chat
                                                      ChatCompletionResponseStreamChoice,
                                                      ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
                                                      UsageInfo, random_uuid)
-from ascendserve.entrypoints.openai.serving_engine import (OpenAIServing, SSEResponse, merge_async_iterators,
+from ascendserve.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse, merge_async_iterators,
                                                            run_until_disconnected, sse, sse_error)
 
 _MIN_LOGPROB = -9999.0
@@ -114,15 +113,6 @@ def _delta(reasoning: str | None, content: str, tool_calls: list) -> DeltaMessag
     return DeltaMessage(**fields) if fields else None
 
 
-@dataclass
-class _Choice:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
 class OpenAIServingChat(OpenAIServing):
     """The /v1/chat/completions handler."""
 
@@ -218,7 +208,7 @@ class OpenAIServingChat(OpenAIServing):
 
     # -- responses ----------------------------------------------------------------------------
     async def _collect(self, request, model, request_id, prompt_ids, stream, parsers) -> ChatCompletionResponse:
-        choices = [_Choice() for _ in parsers]
+        choices = [ChoiceState() for _ in parsers]
         async for _, output in merge_async_iterators(stream):
             for c in output.outputs:
                 choice = choices[c.index]

@@ -1,7 +1,6 @@
 """POST /v1/completions: one or several prompts, `n` samples each, streamed or not."""
 
 import time
-from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -9,24 +8,12 @@ from ascendserve.engine.outputs import Logprob
 from ascendserve.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                      CompletionResponseChoice, CompletionResponseStreamChoice,
                                                      CompletionStreamResponse, UsageInfo, random_uuid)
-from ascendserve.entrypoints.openai.serving_engine import (OpenAIServing, SSEResponse, abort_all,
+from ascendserve.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse, abort_all,
                                                            merge_async_iterators, run_until_disconnected, sse,
                                                            sse_error)
 
 # OpenAI's floor for a logprob that is -inf.
 _MIN_LOGPROB = -9999.0
-
-
-@dataclass
-class _Choice:
-    """One choice being accumulated (non-streaming) or tracked (streaming)."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    started: bool = False
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -80,7 +67,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return text or ""
 
     async def _collect(self, request, model, base_id, prompts, streams, n) -> CompletionResponse:
-        choices = [_Choice() for _ in range(len(prompts) * n)]
+        choices = [ChoiceState() for _ in range(len(prompts) * n)]
         async for i, output in merge_async_iterators(*streams):
             for c in output.outputs:
                 choice = choices[i * n + c.index]
@@ -103,7 +90,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(self, request, model, base_id, prompts, streams, n):
         created = int(time.time())
-        choices = [_Choice() for _ in range(len(prompts) * n)]
+        choices = [ChoiceState() for _ in range(len(prompts) * n)]
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = bool(include_usage and request.stream_options.continuous_usage_stats)
         try:

@@ -3,7 +3,7 @@
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -18,6 +18,18 @@ logger = init_logger(__name__)
 
 # Seconds a client is asked to wait (Retry-After) when the waiting queue is full.
 RETRY_AFTER_S = 1
+
+
+@dataclass
+class ChoiceState:
+    """One choice being accumulated (non-streaming) or tracked (streaming)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False
 
 
 @dataclass
