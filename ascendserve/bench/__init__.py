@@ -1,0 +1,2 @@
+"""`ascendserve bench`: datasets, the streaming HTTP client (serve), metrics, report and plots, and the
+offline throughput and latency benchmarks."""

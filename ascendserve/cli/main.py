@@ -5,7 +5,7 @@ import importlib
 import sys
 
 # Each module defines `register(subparsers)`, which adds its subcommand and sets `func`.
-SUBCOMMANDS = ["ascendserve.cli.generate", "ascendserve.cli.serve"]
+SUBCOMMANDS = ["ascendserve.cli.generate", "ascendserve.cli.serve", "ascendserve.cli.bench"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,51 @@
+"""`ascendserve bench serve` as a subprocess against a real `ascendserve serve` on the demo model."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.server.utils import RemoteServer
+
+SERVER_ARGS = ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 * 2**20),
+               "--uvicorn-log-level", "warning", "--disable-log-stats", "--disable-log-requests"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    remote = RemoteServer(SERVER_ARGS)
+    yield remote
+    remote.stop()
+
+
+def test_bench_serve_end_to_end(server, tmp_path):
+    pytest.importorskip("matplotlib")
+    cmd = [sys.executable, "-m", "ascendserve.cli.main", "bench", "serve", "--base-url", server.url,
+           "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "8", "--max-concurrency", "2",
+           "--ignore-eos", "--save-result", "--plot", "--result-dir", str(tmp_path), "--seed", "7"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + server.read_log()[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "============ Serving Benchmark Result ============" in lines
+    for expected in ("Successful requests:                     4", "Failed requests:                         0",
+                     "Maximum request concurrency:             2", "Total input tokens:                      64",
+                     "Total generated tokens:                  32"):
+        assert any(line.startswith(expected) for line in lines), expected
+    for name in ("TTFT", "TPOT", "ITL", "E2EL"):
+        assert any(line.startswith(f"P99 {name} (ms):") for line in lines), name
+
+    [result_path] = glob.glob(str(tmp_path / "*.json"))
+    result = json.loads(open(result_path).read())
+    assert (result["completed"], result["failed"]) == (4, 0)
+    assert (result["total_input_tokens"], result["total_output_tokens"]) == (64, 32)
+    assert result["input_lens"] == [16] * 4 and result["output_lens"] == [8] * 4
+    # The server counted the same prompt tokens the benchmark built (its own /tokenize).
+    assert result["server_input_lens"] == [16] * 4
+    assert all(len(itl) == 7 for itl in result["itls"])
+    assert result["mean_ttft_ms"] > 0 and result["p99_e2el_ms"] >= result["median_e2el_ms"]
+    png = os.path.splitext(result_path)[0] + ".png"
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

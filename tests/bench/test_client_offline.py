@@ -1,0 +1,137 @@
+"""The streaming client against canned SSE answers, the offline workloads, latency phases, and the CLI."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from ascendserve.bench.datasets import SampleRequest
+from ascendserve.bench.latency import IterationTiming, latency_summary, run_batch
+from ascendserve.bench.serve import ServeConfig, arrivals, request_body, send_request
+from ascendserve.bench.throughput import workload
+from ascendserve.cli.main import build_parser
+
+
+def _sse(*payloads) -> bytes:
+    return b"".join(f"data: {json.dumps(p) if not isinstance(p, str) else p}\n\n".encode() for p in payloads)
+
+
+def _send(body: bytes, endpoint: str = "/v1/completions", status: int = 200):
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.update(json.loads(request.content), auth=request.headers.get("authorization"))
+        return httpx.Response(status, content=body, headers={"content-type": "text/event-stream"})
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://x") as client:
+            cfg = ServeConfig("http://x", endpoint, "m", api_key="k", ignore_eos=True)
+            return await send_request(client, cfg, SampleRequest("hi", 3, 4))
+
+    return asyncio.run(go()), seen
+
+
+def test_completions_stream_counts_usage_tokens():
+    out, seen = _send(_sse({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+                           {"choices": [{"text": "", "finish_reason": "length"}]},
+                           {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}, "[DONE]"))
+    assert out.success and out.output_len == 4 and out.num_chunks == 2 and len(out.itl) == 1
+    assert out.generated_text == "ab" and out.server_prompt_tokens == 3 and out.prompt_len == 3
+    assert 0 < out.ttft <= out.latency
+    assert seen["prompt"] == "hi" and seen["stream"] and seen["stream_options"] == {"include_usage": True}
+    assert seen["ignore_eos"] is True and seen["max_tokens"] == 4 and seen["auth"] == "Bearer k"
+
+
+def test_chat_stream_without_usage_counts_chunks():
+    out, seen = _send(_sse({"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+                           {"choices": [{"delta": {"reasoning_content": "r"}}]},
+                           {"choices": [{"delta": {"content": "x"}}]},
+                           {"choices": [{"delta": {"content": "y"}, "finish_reason": "stop"}]}, "[DONE]"),
+                      endpoint="/v1/chat/completions")
+    assert out.success and out.output_tokens is None and out.output_len == 3 and len(out.itl) == 2
+    assert seen["messages"] == [{"role": "user", "content": "hi"}] and seen["max_completion_tokens"] == 4
+
+
+def test_failed_requests_are_recorded():
+    out, _ = _send(b'{"error": {"message": "busy"}}', status=503)
+    assert not out.success and out.error.startswith("HTTP 503") and "busy" in out.error
+    out, _ = _send(_sse({"error": {"message": "boom"}}))
+    assert not out.success and "boom" in out.error
+
+
+def test_request_body_without_ignore_eos():
+    body = request_body(ServeConfig("u", "/v1/completions", "m"), SampleRequest("p", 1, 9))
+    assert "ignore_eos" not in body and body["max_tokens"] == 9 and body["temperature"] == 0.0
+
+
+def test_poisson_arrivals_pace_requests():
+    async def collect(rate):
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        [i async for i in arrivals(5, rate, 1.0, seed=0)]
+        return loop.time() - start
+
+    assert asyncio.run(collect(float("inf"))) < 0.05
+    assert asyncio.run(collect(200.0)) > 0.0
+
+
+def test_throughput_workloads():
+    prompts, outs = workload(16, vocab_size=100, input_len=0, output_len=0, min_len=32, max_len=256, seed=1)
+    assert len(prompts) == len(outs) == 16
+    assert all(32 <= len(p) <= 256 and 32 <= o <= 256 and max(p) < 100 for p, o in zip(prompts, outs))
+    prompts, outs = workload(4, vocab_size=100, input_len=10, output_len=6)
+    assert [len(p) for p in prompts] == [10] * 4 and outs == [6] * 4
+    with pytest.raises(ValueError, match="--min-len"):
+        workload(4, 100, 10, 6, min_len=8)
+
+
+class _Out:
+    def __init__(self, request_id, n_tokens):
+        self.request_id = request_id
+        self.outputs = [type("C", (), {"token_ids": [0] * n_tokens})()]
+
+
+class FakeEngine:
+    """Request "0" gets its first token at step 1, request "1" at step 2 (a chunked prefill); 4 steps in all."""
+
+    vocab_size = 50
+
+    def __init__(self):
+        self.steps = 0
+        self.added = []
+
+    def next_request_id(self):
+        return str(len(self.added))
+
+    def add_request(self, request_id, prompt, params):
+        assert params.ignore_eos and params.max_tokens == 3
+        self.added.append(request_id)
+
+    def has_unfinished_requests(self):
+        return self.steps < 4
+
+    def step(self):
+        self.steps += 1
+        return {1: [_Out("0", 1), _Out("1", 0)], 2: [_Out("0", 2), _Out("1", 1)]}.get(
+            self.steps, [_Out("0", 3), _Out("1", 2)])
+
+
+def test_latency_phases():
+    timing = run_batch(FakeEngine(), [[1, 2], [3, 4]], output_len=3)
+    assert timing.decode_steps == 2 and 0 < timing.prefill <= timing.latency
+    summary = latency_summary([IterationTiming(0.54, 0.50, 2), IterationTiming(0.64, 0.60, 2)])
+    assert summary["avg_latency"] == pytest.approx(0.59) and summary["avg_prefill_time"] == pytest.approx(0.55)
+    assert summary["avg_decode_time_per_step"] == pytest.approx(0.02)
+    assert summary["percentiles"]["50"] == pytest.approx(0.59)
+
+
+def test_cli_flags_parse():
+    ns = build_parser().parse_args(["bench", "serve", "--dataset", "prefix-repetition", "--prefix-len", "8",
+                                    "--num-prefixes", "2", "--sweep-concurrency", "1,4", "--request-rate", "2"])
+    assert (ns.dataset_name, ns.prefix_len, ns.num_prefixes, ns.request_rate) == ("prefix-repetition", 8, 2, 2.0)
+    ns = build_parser().parse_args(["bench", "throughput", "--min-len", "32", "--max-len", "256",
+                                    "--max-model-len", "512"])
+    assert (ns.min_len, ns.max_len, ns.max_model_len, ns.num_prompts) == (32, 256, 512, 1000)
+    ns = build_parser().parse_args(["bench", "latency", "--batch-size", "4", "--num-iters-warmup", "1"])
+    assert (ns.batch_size, ns.num_iters_warmup, ns.num_iters) == (4, 1, 30)
