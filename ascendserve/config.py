@@ -10,6 +10,7 @@ logger = init_logger(__name__)
 
 DEFAULT_MAX_NUM_SEQS = 256
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, applied after loading (layers/quantization.py)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class EngineArgs:
     device: str = "auto"
     served_model_name: str | list[str] | None = None
     hf_overrides: dict[str, Any] | None = None
+    quantization: str | None = None  # None, "int8" or "int4": weight-only, quantized at load (not bit-exact)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -58,6 +60,7 @@ class EngineArgs:
         """Raise ValueError naming the argument and its allowed range for a bad value."""
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        _check_quantization(self.quantization)
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
         _check_positive("max_model_len", self.max_model_len)
@@ -69,6 +72,17 @@ class EngineArgs:
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size must be 1 for now (parallelism is not implemented "
                              f"yet), got {self.tensor_parallel_size}")
+
+
+def _check_quantization(value: str | None) -> None:
+    if value is None or value in QUANTIZATION_METHODS:
+        return
+    allowed = [None, *QUANTIZATION_METHODS]
+    if isinstance(value, str):
+        raise ValueError(f"quantization {value!r} is not supported: quantized checkpoints (fp8, awq, gptq, "
+                         f"...) cannot be loaded; quantization must be one of {allowed} (weight-only, "
+                         f"applied to a full-precision checkpoint at load)")
+    raise ValueError(f"quantization must be one of {allowed}, got {value!r}")
 
 
 def _check_positive(name: str, value: int | None) -> None:

@@ -2,7 +2,7 @@
 
 import argparse
 
-from ascendserve.config import EngineArgs
+from ascendserve.config import QUANTIZATION_METHODS, EngineArgs
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +26,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
     parser.add_argument("--device", default=d.device)
+    parser.add_argument("--quantization", "-q", default=None,
+                        help=f"weight-only quantization applied at load, one of {list(QUANTIZATION_METHODS)} "
+                             f"(not bit-exact)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -11,6 +11,7 @@ import os
 import sys
 
 from ascendserve.cli.engine_flags import add_engine_flags, engine_args_from
+from ascendserve.config import QUANTIZATION_METHODS
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -39,7 +40,6 @@ NO_EFFECT_FLAGS = {
     "--compilation-config": ({"type": None}, "no graph capture or compilation: the model runs eagerly"),
     "--additional-config": ({"type": None}, "no platform plugin reads it"),
     "--speculative-config": ({"type": None}, "speculative decoding (MTP) is not implemented"),
-    "--quantization": ({}, "quantized checkpoints are not supported; weights load as stored"),
     "--kv-cache-dtype": ({}, "the KV cache uses the model dtype"),
     "--mamba-cache-mode": ({}, "the recurrent-state cache has one mode"),
     "--mamba-ssm-cache-dtype": ({}, "the recurrent state is kept in float32"),
@@ -129,6 +129,13 @@ def warn_no_effect_flags(ns: argparse.Namespace) -> list[str]:
         logger.warning("%s %s is accepted but has no effect: %s.", flag,
                        json.dumps(value) if not isinstance(value, str) else value, why)
         warned.append(flag)
+    if ns.quantization is not None and ns.quantization not in QUANTIZATION_METHODS:
+        # vLLM's checkpoint methods (`ascend`, fp8, awq, ...): accepted as before, weights load as stored.
+        logger.warning("--quantization %s is accepted but has no effect: quantized checkpoints are not supported; "
+                       "weights load as stored (weight-only %s are the supported values).",
+                       ns.quantization, " / ".join(QUANTIZATION_METHODS))
+        warned.append("--quantization")
+        ns.quantization = None
     return warned
 
 
@@ -159,13 +166,13 @@ def run(ns: argparse.Namespace) -> int:
             raise ValueError(f"--tensor-parallel-size {ns.tensor_parallel_size}: tensor parallelism is not "
                              f"implemented yet (tensor_parallel_size must be 1); this server runs the model on "
                              f"one device")
+        warn_no_effect_flags(ns)  # before engine_args_from: it drops a checkpoint --quantization value
         args = engine_args_from(ns)
         from ascendserve.entrypoints.openai.chat_utils import load_chat_template
         chat_template = load_chat_template(ns.chat_template)
     except ValueError as e:
         print(f"ascendserve serve: error: {e}", file=sys.stderr)
         return 2
-    warn_no_effect_flags(ns)
     if os.environ.get("VLLM_USE_MODELSCOPE", "").lower() in ("1", "true") and ns.model:
         logger.info("VLLM_USE_MODELSCOPE is set: %s is resolved from ModelScope", ns.model)
     serve(ns, args, chat_template)

@@ -174,4 +174,7 @@ def build_model(config: EngineConfig) -> torch.nn.Module:
         finally:
             torch.set_default_dtype(default)
     model.load_weights(iter_weights(config.model_path))
+    if config.args.quantization:
+        from ascendserve.layers.quantization import quantize_model_
+        quantize_model_(model, config.args.quantization)
     return model.eval()

@@ -1,0 +1,180 @@
+"""Weight-only int8 / int4 quantization of a loaded model's linear layers (opt-in, not bit-exact).
+
+`quantize_model_(model, "int8" | "int4")` swaps every `nn.Linear` (fused qkv_proj / gate_up_proj
+included, lm_head included) for a `WeightOnlyLinear`: int8 symmetric per output channel, int4
+asymmetric per group of 64 inputs. The embedding stays dense (a gather reads a few rows per step, so
+quantizing it saves memory but no time), and so do MoE experts' 3-D parameters (not `nn.Linear`;
+left for later).
+
+Kernel choice per call, by the number of rows M. Measured with benchmarks/probe_quant_kernels.py
+(1 thread, weights streamed from DRAM, fastest call) on a 2-core AVX-512 Xeon without AMX or
+AVX512-BF16, ms per call for SmolLM2's gate_up 3072x576:
+      M   fp32 F.linear   int8 kernel (bf16 x)   int4 g64 kernel (bf16 x)   int8 kernel (fp32 x)
+      1   0.65            0.24                   0.11                       3.2
+     16   1.62            1.51                   0.85                       68 (int4 fp32 x)
+     64   3.28            5.75                   3.41
+  - torch's fp32-activation paths of both kernels are scalar fallbacks, 5-40x slower: the kernels
+    are always fed bf16 activations (the cast both ways is included above) with bf16 scales;
+  - M <= threshold: the integer kernel. Above it, dequantize the weight to the model dtype for this
+    call and run F.linear: the call is compute-bound, so the extra pass over the weight is cheap,
+    and no dense copy is kept (that would defeat the memory saving). Crossovers (kernel vs dequantize
+    + F.linear, gate_up / down): int8 between 32 and 64 rows -> 32; int4 between 128 and 256 -> 128
+    (its dequantize also unpacks nibbles). So decode batches use the kernels, prefill chunks do not.
+  - int4 group size 64 (128 does not divide SmolLM2's 576; 32 costs the same time but twice the
+    scales); a layer with K % 64 != 0 uses 32; a layer the int4 kernel cannot take (N % 16 != 0,
+    e.g. Qwen3.5's in_proj_ba with few heads) stays dense.
+  - lm_head is quantized: at M=1 it is the largest single matrix (49152x576 on SmolLM2): fp32 8.2 ms,
+    int8 4.0 ms, int4 2.1 ms; it always uses the kernel (LM_HEAD_KERNEL_MAX_ROWS). With tied embeddings the embedding keeps the dense tensor,
+    so memory then grows by the quantized lm_head copy, while decode still reads fewer bytes.
+The output always has the input's (model) dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ascendserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+METHODS = ("int8", "int4")
+# Largest M that still uses the integer kernel (measured: see the module docstring).
+INT_KERNEL_MAX_ROWS = {"int8": 32, "int4": 128}
+# lm_head sees one row per sampling sequence, and dequantizing its 49152x576 weight costs ~105 ms
+# (1 thread), more than the int8 kernel at 64 rows (82 ms; fp32 F.linear 38 ms): always the kernel.
+LM_HEAD_KERNEL_MAX_ROWS = 1 << 30
+INT4_GROUP_SIZES = (64, 32)  # preferred first; the first that divides in_features is used
+INT4_BLOCK_N = 64  # the CPU int4 pack interleaves 64 output rows (then one tail block), see _unpack_int4
+
+
+class WeightOnlyLinear(nn.Module):
+    """y = x @ dequant(W).T + b with W stored as int8 (per-channel scale) or int4 (per-group scale/zero)."""
+
+    def __init__(self, linear: nn.Linear, method: str, max_kernel_rows: int | None = None) -> None:
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"quantization must be one of {list(METHODS)}, got {method!r}")
+        self.method = method
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_dtype = linear.weight.dtype
+        self.max_kernel_rows = INT_KERNEL_MAX_ROWS[method] if max_kernel_rows is None else max_kernel_rows
+        weight = linear.weight.detach().float()
+        if method == "int8":
+            self._quantize_int8(weight)
+        else:
+            self._quantize_int4(weight)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    @staticmethod
+    def supports(linear: nn.Linear, method: str) -> bool:
+        """Whether the layer's shape fits the kernel (int4: N % 16 == 0 and a group size dividing K)."""
+        if method == "int8":
+            return True
+        return linear.out_features % 16 == 0 and any(linear.in_features % g == 0 for g in INT4_GROUP_SIZES)
+
+    def _quantize_int8(self, weight: torch.Tensor) -> None:
+        # Symmetric per output channel: W[n, :] ~= q[n, :] * scale[n], q in [-127, 127].
+        # The scale is rounded to bf16 (the kernel's dtype) before quantizing, so q absorbs the rounding.
+        scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16).float()
+        self.qweight = nn.Parameter((weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8),
+                                    requires_grad=False)
+        self.scales = nn.Parameter(scale.to(torch.bfloat16), requires_grad=False)
+
+    def _quantize_int4(self, weight: torch.Tensor) -> None:
+        # Asymmetric per group of `group_size` inputs: W ~= (q - 8) * scale + zero, q in [0, 15]
+        # (the dequantization `_weight_int4pack_mm_for_cpu` computes).
+        n, k = weight.shape
+        self.group_size = next(g for g in INT4_GROUP_SIZES if k % g == 0)
+        groups = weight.reshape(n, k // self.group_size, self.group_size)
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        # scale and zero are rounded to bf16 (the kernel's dtype) before quantizing, so q absorbs it.
+        scale = ((hi - lo) / 15).clamp(min=1e-12).to(torch.bfloat16).float()
+        zero = (lo + 8 * scale).to(torch.bfloat16).float()
+        q = ((groups - zero[..., None]) / scale[..., None] + 8).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+        scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [K/G, N, 2]
+        self.qweight = nn.Parameter(torch._convert_weight_to_int4pack_for_cpu(q, 2), requires_grad=False)
+        self.scales = nn.Parameter(scales_zeros.to(torch.bfloat16), requires_grad=False)
+        # The dequantize path needs the pack layout; if this build packs differently, stay on the kernel.
+        self.can_unpack = torch.equal(_unpack_int4(self.qweight, n, k), q.to(torch.uint8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        if x.shape[0] <= self.max_kernel_rows or (self.method == "int4" and not self.can_unpack):
+            out = self._kernel(x.to(torch.bfloat16)).to(self.out_dtype)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = F.linear(x, self.dequantize(self.out_dtype), self.bias)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.method == "int8":
+            return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+        return torch._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, self.scales)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense [N, K] weight this layer multiplies by."""
+        if self.method == "int8":
+            return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+        q = _unpack_int4(self.qweight, self.out_features, self.in_features).to(dtype)
+        groups = q.view(self.out_features, -1, self.group_size)
+        scale, zero = self.scales.to(dtype).transpose(0, 1).contiguous().unbind(-1)  # [N, K/G] each
+        return torch.addcmul((zero - 8 * scale)[..., None], groups, scale[..., None]).reshape(
+            self.out_features, self.in_features)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.method == "int4" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}{group}"
+
+
+def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """q [N, K] (uint8, 0..15) from `_convert_weight_to_int4pack_for_cpu`'s layout (torch 2.13, x86).
+
+    Rows go in blocks of 64, then one tail block of the remaining N % 64 rows (a multiple of 16).
+    A block of B rows is stored as K runs of B/2 bytes, flattened over its packed rows. In a 64-block,
+    byte j of run k holds (row j, k) in its low nibble and (row j + 32, k) in its high nibble; in the
+    tail block, rows 2j and 2j + 1. E.g. N=64: (n=33, k=0) is the high nibble of byte 1 of run 0;
+    N=48: (n=1, k=0) is byte 0's high nibble and (n=0, k=1) is byte 24's low nibble.
+    The layer checks this against its own q at quantization time (`can_unpack`).
+    """
+    flat = packed.reshape(-1)
+    full = n // INT4_BLOCK_N * INT4_BLOCK_N
+    blocks = flat[:full * k // 2].view(-1, k, INT4_BLOCK_N // 2)
+    out = [torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(full, k)]
+    if n > full:
+        tail = flat[full * k // 2:].view(k, (n - full) // 2)
+        out.append(torch.stack([tail & 15, tail >> 4], dim=2).view(k, n - full).t())
+    return torch.cat(out) if n > full else out[0]
+
+
+def quantize_model_(model: nn.Module, method: str) -> dict[str, int]:
+    """Replace the model's nn.Linear layers by WeightOnlyLinear in place; returns counts and bytes.
+
+    Layers whose shape the kernel cannot take (int4: out_features % 16 != 0, e.g. Qwen3.5's
+    in_proj_ba with few heads) stay dense. Call after the weights are loaded.
+    """
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of {list(METHODS)}, got {method!r}")
+    before = _weight_bytes(model)
+    quantized = skipped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            if WeightOnlyLinear.supports(child, method):
+                rows = LM_HEAD_KERNEL_MAX_ROWS if name == "lm_head" else None
+                setattr(parent, name, WeightOnlyLinear(child, method, rows))
+                quantized += 1
+            else:
+                skipped += 1
+    stats = {"quantized": quantized, "skipped": skipped, "bytes_before": before, "bytes_after": _weight_bytes(model)}
+    logger.info("Weight-only %s quantization: %d linear layers quantized (%d left dense: shape not supported), "
+                "weights %.1f MiB -> %.1f MiB (not bit-exact)", method, quantized, skipped,
+                before / 2**20, stats["bytes_after"] / 2**20)
+    return stats
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    # parameters() deduplicates tied tensors (embed_tokens / lm_head) by identity.
+    return sum(p.numel() * p.element_size() for p in model.parameters())
