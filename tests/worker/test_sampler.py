@@ -114,7 +114,7 @@ def test_min_tokens_masks_eos_and_stop_token_ids():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]] * 4)
     common = {"temperature": 0, "min_tokens": 3, "stop_token_ids": [3], "eos": [4]}
     rows = [make_row(output=[0, 0], **common), make_row(output=[0, 0, 0], **common),
-            make_row(output=[0], ignore_eos=True, **common), make_row(output=[], eos=[4])]
+            make_row(output=[0], ignore_eos=True, **common), make_row(output=[], eos=[4], temperature=0)]
     assert Sampler()(logits, rows).sampled_token_ids == [2, 4, 4, 4]
     apply_logits_processors(logits, rows)
     assert logits[0].tolist() == [0.0, 1.0, 2.0, -INF, -INF]
