@@ -260,10 +260,15 @@ def recurrent_gated_delta_rule(
     out_dtype = q.dtype
     q, k = _prepare_qk(q, k, v.shape[1], scale, use_qk_l2norm_in_kernel)
     v, g, beta = v.float(), g.float(), beta.float()
-    s = states[state_indices].float() * g.exp()[..., None, None]
-    kv_mem = (s * k.unsqueeze(-1)).sum(-2)
+    batch, heads, dk = k.shape
+    # Flatten (sequence, head) and use batched matmuls in place: no [B, H, dk, dv] temporaries
+    # beyond the gathered state itself (this step is memory-bound on the state).
+    s = states.index_select(0, state_indices).float().view(batch * heads, dk, -1)
+    s.mul_(g.exp().reshape(-1, 1, 1))
+    k_rows = k.float().reshape(batch * heads, 1, dk)
+    kv_mem = torch.bmm(k_rows, s).view(batch, heads, -1)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (s * q.unsqueeze(-1)).sum(-2)
-    states[state_indices] = s.to(states.dtype)
+    s.baddbmm_(k_rows.transpose(1, 2), delta.reshape(batch * heads, 1, -1))
+    out = torch.bmm(q.float().reshape(batch * heads, 1, dk), s).view(batch, heads, -1)
+    states.index_copy_(0, state_indices, s.view(batch, heads, dk, -1).to(states.dtype))
     return out.to(out_dtype)
