@@ -64,3 +64,11 @@ def assert_matches(ref: Reference, token_ids: list[int], logprobs, tol: float = 
         if logprobs is not None:
             got = logprobs[i][ours].logprob
             assert math.isclose(got, ref.logprobs[i], abs_tol=tol), (i, got, ref.logprobs[i])
+
+
+def check_outputs(outputs, refs) -> None:
+    """Every request ran to its length limit and matches its transformers reference."""
+    for out, ref in zip(outputs, refs):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "length"
+        assert_matches(ref, completion.token_ids, completion.logprobs)

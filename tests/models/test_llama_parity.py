@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from ascendserve import LLM, SamplingParams
-from tests.models.reference import assert_matches, hf_greedy, make_prompts, randomize_
+from tests.models.reference import check_outputs, hf_greedy, make_prompts, randomize_
 
 VOCAB = 512
 MAX_NEW = 12
@@ -45,13 +45,6 @@ def _generate(path, prompts, **engine_args):
     return llm, outputs
 
 
-def _check(outputs, refs):
-    for out, ref in zip(outputs, refs):
-        completion = out.outputs[0]
-        assert completion.finish_reason == "length"
-        assert_matches(ref, completion.token_ids, completion.logprobs)
-
-
 def _assert_pool_clean(llm):
     pool = llm.llm_engine.kv_cache_manager.pool
     free, cached, in_use = pool.counts()
@@ -61,7 +54,7 @@ def _assert_pool_clean(llm):
 def test_default_engine(checkpoint):
     path, prompts, refs = checkpoint
     llm, outputs = _generate(path, prompts, num_gpu_blocks_override=256)
-    _check(outputs, refs)
+    check_outputs(outputs, refs)
     _assert_pool_clean(llm)
 
 
@@ -69,14 +62,14 @@ def test_chunked_prefill_and_prefix_cache(checkpoint):
     path, prompts, refs = checkpoint
     llm, outputs = _generate(path, prompts, num_gpu_blocks_override=256, max_num_batched_tokens=48,
                              enable_prefix_caching=True)
-    _check(outputs, refs)
+    check_outputs(outputs, refs)
     assert llm.llm_engine.kv_cache_manager.num_hits > 0  # the shared-prefix prompts hit
     # a second pass hits the cache for every full block and still matches
     again = llm.generate([{"prompt_token_ids": p} for p in prompts],
                          SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True),
                          use_tqdm=False)
     assert max(o.num_cached_tokens for o in again) >= 288
-    _check(again, refs)
+    check_outputs(again, refs)
     _assert_pool_clean(llm)
 
 
@@ -89,5 +82,5 @@ def test_preemption(checkpoint):
     llm, outputs = _generate(path, prompts, num_gpu_blocks_override=78, block_size=4, max_model_len=312,
                              enable_prefix_caching=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    _check(outputs, refs)
+    check_outputs(outputs, refs)
     _assert_pool_clean(llm)

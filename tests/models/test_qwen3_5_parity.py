@@ -24,7 +24,7 @@ from ascendserve.engine.llm_engine import LLMEngine
 from ascendserve.layers.mrope import MRotaryEmbedding, interleaved_axis_of_slots
 from ascendserve.worker.kv_budget import KVCacheTooSmallError
 from ascendserve.worker.model_runner import build_state_metadata
-from tests.models.reference import assert_matches, hf_greedy, make_prompts
+from tests.models.reference import check_outputs, hf_greedy, make_prompts
 
 VOCAB = 512
 MAX_NEW = 8
@@ -101,13 +101,6 @@ def _params():
     return SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
 
 
-def _check(outputs, refs):
-    for out, ref in zip(outputs, refs):
-        completion = out.outputs[0]
-        assert completion.finish_reason == "length"
-        assert_matches(ref, completion.token_ids, completion.logprobs)
-
-
 def _assert_clean(engine):
     free, cached, in_use = engine.kv_cache_manager.pool.counts()
     assert in_use == 0 and free + cached == engine.kv_cache_manager.num_blocks
@@ -122,7 +115,7 @@ def test_chunked_prefill(checkpoints, kind, budget):
     llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=budget, enable_prefix_caching=True)
     assert not llm.llm_engine.config.enable_prefix_caching
     assert not llm.llm_engine.kv_cache_manager.enable_caching
-    _check(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
+    check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
     _assert_clean(llm.llm_engine)
 
 
@@ -135,7 +128,7 @@ def test_preemption(checkpoints, kind):
     # request decodes, the newest ones are preempted, recomputed from token 0 into a fresh state
     # slot, and must still match.
     llm = _llm(path, num_gpu_blocks_override=78, block_size=4, max_model_len=312)
-    _check(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
+    check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     _assert_clean(llm.llm_engine)
 
@@ -155,7 +148,7 @@ def test_requests_join_while_others_decode(checkpoints, kind):
         outputs.update({o.request_id: o for o in engine.step() if o.finished})
         step += 1
     assert engine.state_cache_manager.num_slots == 3
-    _check([outputs[str(i)] for i in range(len(prompts))], refs)
+    check_outputs([outputs[str(i)] for i in range(len(prompts))], refs)
     _assert_clean(engine)
 
 
@@ -169,7 +162,7 @@ def test_moe_per_expert_and_fused_layouts(checkpoints, tmp_path):
     shutil.copy(os.path.join(path, "config.json"), tmp_path / "config.json")
     for source in (path, str(tmp_path)):
         llm = _llm(source, num_gpu_blocks_override=256)
-        _check(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
+        check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
 
 
 def _fuse_experts(tensors: dict, num_experts: int) -> dict:
