@@ -174,8 +174,9 @@ class AsyncLLM:
         outputs = self.engine.step()
         now = time.time()
         self._track_tokens(now)
-        self._dispatch(outputs, now)
-        self._publish(now)
+        deliveries = self._route(outputs, now)
+        self._publish(now)  # before delivering: a caller that sees its output sees it counted too
+        _deliver_all(deliveries)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -187,7 +188,7 @@ class AsyncLLM:
                 self._num_added += 1
                 self._add(command)
             elif self.dead_error is None:
-                self._dispatch(self.engine.abort_request(command.request_id), time.time())
+                _deliver_all(self._route(self.engine.abort_request(command.request_id), time.time()))
 
     def _add(self, command: _Add) -> None:
         stream = command.stream
@@ -225,7 +226,8 @@ class AsyncLLM:
             s.last_token_time = now
             s.num_output_tokens = total
 
-    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+    def _route(self, outputs: list[RequestOutput], now: float) -> dict[asyncio.AbstractEventLoop, list]:
+        """Group outputs by their caller's event loop; record the stats of finished requests."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -235,8 +237,7 @@ class AsyncLLM:
                 del self._streams[output.request_id]
                 self._iteration.finished.extend(self._finished_stats(stream, output, now))
             by_loop.setdefault(stream.loop, []).append((stream.queue, output))
-        for loop, items in by_loop.items():
-            _call_soon(loop, _deliver, items)
+        return by_loop
 
     def _finished_stats(self, stream: _Stream, output: RequestOutput, now: float) -> list[FinishedRequestStats]:
         stats = []
@@ -320,6 +321,12 @@ def _by_index(output: RequestOutput, n: int) -> list:
 def _deliver(items: list) -> None:
     for q, item in items:
         q.put_nowait(item)
+
+
+def _deliver_all(by_loop: dict) -> None:
+    """Hand each event loop its (queue, output) pairs in one callback."""
+    for loop, items in by_loop.items():
+        _call_soon(loop, _deliver, items)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
