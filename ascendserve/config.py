@@ -34,6 +34,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     enforce_eager: bool = False
+    async_scheduling: bool = False  # schedule step N+1 while step N runs (same tokens as the synchronous loop)
     tensor_parallel_size: int = 1
     device: str = "auto"
     served_model_name: str | list[str] | None = None

@@ -24,6 +24,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                        help="schedule and prepare step N+1 while step N computes")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--quantization", "-q", default=None,

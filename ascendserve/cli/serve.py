@@ -36,7 +36,6 @@ NO_EFFECT_FLAGS = {
     "--headless": ({"action": "store_true"}, "there are no remote engines to run headless"),
     "--pipeline-parallel-size": ({"type": int}, "pipeline parallelism is not implemented"),
     "--enable-expert-parallel": ({"action": "store_true"}, "expert parallelism is not implemented"),
-    "--async-scheduling": ({"action": argparse.BooleanOptionalAction}, "the engine schedules synchronously"),
     "--compilation-config": ({"type": None}, "no graph capture or compilation: the model runs eagerly"),
     "--additional-config": ({"type": None}, "no platform plugin reads it"),
     "--speculative-config": ({"type": None}, "speculative decoding (MTP) is not implemented"),

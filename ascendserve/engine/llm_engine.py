@@ -2,6 +2,7 @@
 
 import itertools
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ascendserve.config import EngineArgs, EngineConfig
 from ascendserve.engine.kv_cache_manager import KVCacheManager
@@ -9,7 +10,7 @@ from ascendserve.engine.outputs import RequestOutput
 from ascendserve.engine.output_processor import OutputProcessor
 from ascendserve.engine.request import Request, RequestStatus
 from ascendserve.engine.sampling_params import SamplingParams
-from ascendserve.engine.scheduler import Scheduler
+from ascendserve.engine.scheduler import Scheduler, SchedulerOutput
 from ascendserve.engine.state_cache_manager import StateCacheManager
 from ascendserve.logger import init_logger
 
@@ -44,6 +45,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = config.hf_config.get_text_config().vocab_size
         self._ids = itertools.count()
+        # Async scheduling: the model runs step N on this thread while step N+1 is scheduled.
+        self._model_thread = (ThreadPoolExecutor(1, thread_name_prefix="ascendserve-model")
+                              if config.args.async_scheduling else None)
+        self._in_flight: tuple[SchedulerOutput, Future] | None = None
         logger.info("Engine ready in %.1f s: %s, dtype %s, device %s, max_model_len %d",
                     time.perf_counter() - start, config.served_model_name, config.dtype,
                     config.device, config.max_model_len)
@@ -119,11 +124,38 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return the outputs of the requests that advanced."""
+        if self._model_thread is not None:
+            return self._step_async()
         sched = self.scheduler.schedule()
         if sched.is_empty():
             return []
         result = self.runner.execute_model(sched)
         updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+        return self._process(updates, result)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and prepare step N+1 while step N runs; return step N's outputs.
+
+        Order: schedule N+1 (decodes of requests sampling in N get a placeholder token) and build its
+        metadata -> wait for N -> apply N's tokens to the requests -> fill N+1's placeholders and
+        launch it -> detokenize N's outputs while N+1 runs. A request that stops in step N has
+        already been scheduled in N+1: that row is computed and discarded. Each request's tokens are
+        those of the synchronous loop (greedy, and seeded sampling, whose seed depends only on the
+        request and its output length).
+        """
+        sched = self.scheduler.schedule()
+        prepared = None if sched.is_empty() else self.runner.prepare(sched)
+        done, self._in_flight = self._in_flight, None
+        updates, result = [], None
+        if done is not None:
+            result = done[1].result()
+            updates = self.scheduler.update_from_output(done[0], result.sampled_token_ids)
+        if prepared is not None:
+            sched.fill_placeholders()
+            self._in_flight = (sched, self._model_thread.submit(self.runner.execute, prepared))
+        return self._process(updates, result) if result is not None else []
+
+    def _process(self, updates, result) -> list[RequestOutput]:
         outputs, stopped = self.output_processor.process(updates, result.logprobs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

@@ -40,10 +40,15 @@ class Request:
     """One sequence being generated.
 
     `num_computed_tokens` is the single counter that explains every engine path: the tokens of
-    `all_token_ids[:num_computed_tokens]` have their KV (and recurrent state) in the cache.
+    `all_token_ids[:num_computed_tokens]` have their KV (and recurrent state) in the cache, or are
+    being written by a step already scheduled (the scheduler advances it when it schedules).
     A prefix-cache hit starts it above zero, chunked prefill advances it a chunk at a time, and
     recompute preemption resets it to zero. Example, block_size 4, prompt of 10 tokens, budget 4:
     step 1 computes [0, 4), step 2 [4, 8), step 3 [8, 10) and samples token 10.
+
+    `num_output_placeholders` counts tokens that scheduled steps will sample but whose values are not
+    known yet. It is 0 between steps of the synchronous loop; with async scheduling, step N+1 is
+    scheduled while step N runs, so a decode of step N+1 computes the placeholder that step N samples.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: "SamplingParams",
@@ -59,6 +64,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first admission; -1 until admitted
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

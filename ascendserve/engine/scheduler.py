@@ -11,10 +11,16 @@ from ascendserve.engine.state_cache_manager import StateCacheManager
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: compute `token_ids` at positions start_pos, start_pos+1, ..."""
+    """One request's share of a step: compute `token_ids` at positions start_pos, start_pos+1, ...
+
+    With async scheduling the last token of a decode may not be known when the step is scheduled
+    (the previous step is still sampling it): `token_ids` is then shorter than `num_tokens` until
+    `SchedulerOutput.fill_placeholders()` copies it in.
+    """
 
     request_id: str
     token_ids: list[int]
+    num_tokens: int
     start_pos: int
     block_ids: list[int]
     state_slot: int | None
@@ -33,7 +39,18 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         """Tokens computed in this step, over all requests."""
-        return sum(len(s.token_ids) for s in self.scheduled)
+        return sum(s.num_tokens for s in self.scheduled)
+
+    def fill_placeholders(self) -> None:
+        """Copy in the tokens that were still being sampled when this step was scheduled.
+
+        A request that ended before its placeholder was sampled (stop token, abort) gets token 0:
+        the step still runs it, and its result is discarded.
+        """
+        for s in self.scheduled:
+            if len(s.token_ids) < s.num_tokens:
+                known = s.request.all_token_ids[s.start_pos:s.start_pos + s.num_tokens]
+                s.token_ids = known + [0] * (s.num_tokens - len(known))
 
     def is_empty(self) -> bool:
         """True when nothing is scheduled."""
@@ -119,7 +136,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._may_extend(request):
+                i += 1
+                continue
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                          budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -132,9 +153,17 @@ class Scheduler:
                 i += 1
         return budget
 
+    def _may_extend(self, request: Request) -> bool:
+        """False when the tokens already being sampled will end the request by length (async only)."""
+        pending = request.num_output_placeholders
+        return not pending or (request.num_output_tokens + pending < request.max_tokens
+                               and request.num_tokens + pending < self.max_model_len)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:  # preempted while its last step runs: wait for its token
+                break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -160,15 +189,19 @@ class Scheduler:
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens + request.num_output_placeholders
         out.scheduled.append(ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:start + num_new],
+            num_tokens=num_new,
             start_pos=start,
             block_ids=self.kv.get_block_ids(request.request_id),
             state_slot=self.state.get_slot(request.request_id) if self.state else None,
-            sample=start + num_new == request.num_tokens,
+            sample=sample,
             request=request,
         ))
+        request.num_computed_tokens += num_new
+        request.num_output_placeholders += sample
 
     def _preempt(self, request: Request) -> None:
         self._free_request(request, record=False)
@@ -189,20 +222,25 @@ class Scheduler:
     # -- after the model ran -------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput,
                            sampled_token_ids: dict[str, int]) -> list[RequestUpdate]:
-        """Advance counters, append sampled tokens, finish requests on stop tokens and length."""
+        """Append sampled tokens, finish requests on stop tokens and length.
+
+        A request preempted while the step ran (async scheduling) still gets its token: it was
+        computed from the request's own state, and the recompute starts from zero anyway.
+        """
         updates = []
         for sched in out.scheduled:
             request = sched.request
-            if request.is_finished():  # aborted while the step ran
+            request.num_output_placeholders -= sched.sample
+            if request.is_finished():  # aborted or stopped while the step ran
                 continue
-            request.num_computed_tokens += len(sched.token_ids)
             token = sampled_token_ids.get(sched.request_id)
             if token is None:
                 continue
+            was_running = request.status == RequestStatus.RUNNING
             request.append_output_token(token)
             finished = self._check_stop(request, token)
             if finished:
-                self.running.remove(request)
+                (self.running if was_running else self.waiting).remove(request)
                 self._free_request(request)
             updates.append(RequestUpdate(request, [token], finished))
         return updates

@@ -24,6 +24,18 @@ class ModelRunnerOutput:
 
 
 @dataclass
+class PreparedStep:
+    """A step's inputs except the token ids, which async scheduling may only know at launch time."""
+
+    sched: SchedulerOutput
+    positions: torch.Tensor
+    attn_meta: object  # AttentionMetadata
+    state_meta: "StateMetadata | None"
+    logits_rows: list[int]
+    sampling: list[tuple[str, SamplingRow]]  # (request id, its sampling row) per row to sample
+
+
+@dataclass
 class StateMetadata:
     """Which state slot each sequence reads and writes this step; built once, shared by all recurrent layers.
 
@@ -87,45 +99,55 @@ class ModelRunner:
             self.state_caches = allocate_state_caches(model.state_cache_spec(), self.num_state_slots,
                                                       config.dtype, self.device)
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One forward pass over every scheduled token, then sampling for the finishing rows."""
         if sched.is_empty():
             return ModelRunnerOutput({}, {})
-        input_ids, positions, logits_rows, sampling = self._prepare_inputs(sched)
-        query_lens = np.fromiter((len(s.token_ids) for s in sched.scheduled), dtype=np.int64)
+        return self.execute(self.prepare(sched))
+
+    def prepare(self, sched: SchedulerOutput) -> PreparedStep:
+        """Positions, attention and state metadata, and sampling rows of a non-empty step.
+
+        Reads only what the scheduler fixed (lengths, positions, blocks, slots), so it can run while
+        the previous step is still computing; the token ids are read by `execute`.
+        """
+        query_lens = np.fromiter((s.num_tokens for s in sched.scheduled), dtype=np.int64)
         starts = np.fromiter((s.start_pos for s in sched.scheduled), dtype=np.int64)
+        positions = np.concatenate([np.arange(s.start_pos, s.start_pos + s.num_tokens) for s in sched.scheduled])
         meta = build_attention_metadata(query_lens, starts, positions, [s.block_ids for s in sched.scheduled],
                                         self.block_size, self.device)
-        positions = torch.from_numpy(positions).to(self.device)
-        if self.state_caches is None:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        else:
+        state_meta = None
+        if self.state_caches is not None:
             state_meta = build_state_metadata(query_lens.tolist(), starts.tolist(),
-                                              [s.state_slot for s in sched.scheduled],
-                                              self.device)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.state_caches, state_meta)
-        if not logits_rows:
-            return ModelRunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[logits_rows])
-        out = self.sampler(logits, [row for _, row in sampling])
-        ids = [req_id for req_id, _ in sampling]
-        logprobs = {i: lp for i, lp in zip(ids, out.logprobs) if lp is not None}
-        return ModelRunnerOutput(dict(zip(ids, out.sampled_token_ids)), logprobs)
-
-    def _prepare_inputs(self, sched: SchedulerOutput):
-        """Packed token ids (tensor), positions (numpy), rows to sample and their sampling rows."""
-        tokens, positions, logits_rows, sampling = [], [], [], []
-        for s in sched.scheduled:
-            tokens.extend(s.token_ids)
-            positions.append(np.arange(s.start_pos, s.start_pos + len(s.token_ids)))
+                                              [s.state_slot for s in sched.scheduled], self.device)
+        ends = np.cumsum(query_lens) - 1
+        logits_rows, sampling = [], []
+        for s, end in zip(sched.scheduled, ends.tolist()):
             if s.sample:
-                logits_rows.append(len(tokens) - 1)
+                logits_rows.append(end)
                 req = s.request
                 sampling.append((s.request_id, SamplingRow(
                     req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids)))
+        return PreparedStep(sched, torch.from_numpy(positions).to(self.device), meta, state_meta,
+                            logits_rows, sampling)
+
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep) -> ModelRunnerOutput:
+        """Run a prepared step: the forward pass over its token ids, then sampling."""
+        tokens = [t for s in step.sched.scheduled for t in s.token_ids]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return input_ids, np.concatenate(positions), logits_rows, sampling
+        if self.state_caches is None:
+            hidden = self.model(input_ids, step.positions, self.kv_caches, step.attn_meta)
+        else:
+            hidden = self.model(input_ids, step.positions, self.kv_caches, step.attn_meta,
+                                self.state_caches, step.state_meta)
+        if not step.logits_rows:
+            return ModelRunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[step.logits_rows])
+        out = self.sampler(logits, [row for _, row in step.sampling])
+        ids = [req_id for req_id, _ in step.sampling]
+        logprobs = {i: lp for i, lp in zip(ids, out.logprobs) if lp is not None}
+        return ModelRunnerOutput(dict(zip(ids, out.sampled_token_ids)), logprobs)
 
 
 def kv_cache_bytes_per_block(spec: dict, block_size: int, dtype: torch.dtype) -> int:

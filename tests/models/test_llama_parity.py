@@ -58,10 +58,11 @@ def test_default_engine(checkpoint):
     _assert_pool_clean(llm)
 
 
-def test_chunked_prefill_and_prefix_cache(checkpoint):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_and_prefix_cache(checkpoint, async_scheduling):
     path, prompts, refs = checkpoint
     llm, outputs = _generate(path, prompts, num_gpu_blocks_override=256, max_num_batched_tokens=48,
-                             enable_prefix_caching=True)
+                             enable_prefix_caching=True, async_scheduling=async_scheduling)
     check_outputs(outputs, refs)
     assert llm.llm_engine.kv_cache_manager.num_hits > 0  # the shared-prefix prompts hit
     # a second pass hits the cache for every full block and still matches
@@ -73,14 +74,15 @@ def test_chunked_prefill_and_prefix_cache(checkpoint):
     _assert_pool_clean(llm)
 
 
-def test_preemption(checkpoint):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption(checkpoint, async_scheduling):
     path, prompts, refs = checkpoint
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # short first: many admitted at once
     prompts, refs = [prompts[i] for i in order], [refs[i] for i in order]
     # 78 blocks of 4 tokens: the longest request (312 tokens) needs 78, and running requests grow by
     # 3 blocks each while decoding, so the newest running requests must be preempted and recomputed.
     llm, outputs = _generate(path, prompts, num_gpu_blocks_override=78, block_size=4, max_model_len=312,
-                             enable_prefix_caching=False)
+                             enable_prefix_caching=False, async_scheduling=async_scheduling)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     check_outputs(outputs, refs)
     _assert_pool_clean(llm)

@@ -119,27 +119,27 @@ def test_chunked_prefill(checkpoints, kind, budget):
     _assert_clean(llm.llm_engine)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "vl"])
-def test_preemption(checkpoints, kind):
+@pytest.mark.parametrize("kind,async_scheduling", [("dense", False), ("dense", True), ("moe", False), ("vl", False)])
+def test_preemption(checkpoints, kind, async_scheduling):
     path, prompts, refs = checkpoints(kind)
     order = [LENGTHS.index(n) for n in (300, 7, 1, 130, 65, 64)]
     prompts, refs = [prompts[i] for i in order], [refs[i] for i in order]
     # 78 blocks of 4 tokens: the prompts of 300, 7 and 1 tokens fill them all, so once the longest
     # request decodes, the newest ones are preempted, recomputed from token 0 into a fresh state
     # slot, and must still match.
-    llm = _llm(path, num_gpu_blocks_override=78, block_size=4, max_model_len=312)
+    llm = _llm(path, num_gpu_blocks_override=78, block_size=4, max_model_len=312, async_scheduling=async_scheduling)
     check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     _assert_clean(llm.llm_engine)
 
 
-@pytest.mark.parametrize("kind", ["dense", "vl"])
-def test_requests_join_while_others_decode(checkpoints, kind):
+@pytest.mark.parametrize("kind,async_scheduling", [("dense", False), ("dense", True), ("vl", False)])
+def test_requests_join_while_others_decode(checkpoints, kind, async_scheduling):
     path, prompts, refs = checkpoints(kind)
     # 3 state slots for 6 requests: later requests reuse slots that earlier ones wrote.
     engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(
         path, skip_tokenizer_init=True, dtype="float32", num_gpu_blocks_override=256,
-        max_num_batched_tokens=40, max_num_seqs=3))
+        max_num_batched_tokens=40, max_num_seqs=3, async_scheduling=async_scheduling))
     arrivals = {0: [3, 0], 2: [5], 4: [1, 4], 9: [2]}  # step -> prompts added before it
     outputs, step = {}, 0
     while step <= max(arrivals) or engine.has_unfinished_requests():
