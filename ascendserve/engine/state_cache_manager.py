@@ -1,17 +1,20 @@
 """State slots for recurrent layers (Gated DeltaNet): one fixed-size slot per running request."""
 
+import heapq
+
 
 class StateCacheManager:
     """Hands out slots of a preallocated state pool; a request keeps its slot while it runs.
 
     Invariant: num_free + len(req_to_slot) == num_slots. A chunked prefill continues from the slot
     it wrote last step; finish, abort and preemption give the slot back (a preempted request
-    recomputes from token 0 into whichever slot it gets next).
+    recomputes from token 0 into whichever slot it gets next). The lowest free slot goes first, so
+    B running requests tend to hold slots 0..B-1, which the decode kernel updates in place.
     """
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._free = list(range(num_slots))  # a min-heap
         self.req_to_slot: dict[str, int] = {}
 
     @property
@@ -23,7 +26,7 @@ class StateCacheManager:
         """The slot of `request_id`, taking a free one if it has none; None if all are taken."""
         slot = self.req_to_slot.get(request_id)
         if slot is None and self._free:
-            slot = self._free.pop()
+            slot = heapq.heappop(self._free)
             self.req_to_slot[request_id] = slot
         return slot
 
@@ -31,7 +34,7 @@ class StateCacheManager:
         """Give back the slot of `request_id`, if it holds one."""
         slot = self.req_to_slot.pop(request_id, None)
         if slot is not None:
-            self._free.append(slot)
+            heapq.heappush(self._free, slot)
 
     def get_slot(self, request_id: str) -> int | None:
         """The slot held by `request_id`, or None."""

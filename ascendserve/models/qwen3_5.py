@@ -141,7 +141,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         core = hidden.new_empty(hidden.shape[0], self.num_v_heads, self.head_v_dim)
         if meta.decode_token_idx is not None:
             rows = meta.decode_token_idx
-            core[rows] = self._decode(mixed_qkv[rows], g[rows], beta[rows], state, meta.decode_slots)
+            core[rows] = self._decode(mixed_qkv[rows], g[rows], beta[rows], state, meta)
         if meta.prefill_cu_seqlens is not None:
             rows = meta.prefill_token_idx
             if rows is None:  # every row of the step is a prefill row, in order
@@ -156,12 +156,13 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         return (q.reshape(-1, self.num_k_heads, self.head_k_dim), k.reshape(-1, self.num_k_heads, self.head_k_dim),
                 v.reshape(-1, self.num_v_heads, self.head_v_dim))
 
-    def _decode(self, mixed_qkv, g, beta, state, slots) -> torch.Tensor:
+    def _decode(self, mixed_qkv, g, beta, state, meta) -> torch.Tensor:
         conv_states, ssm_states = state
-        x = causal_conv1d_decode(mixed_qkv, self.conv1d.weight.squeeze(1), conv_states, slots,
+        x = causal_conv1d_decode(mixed_qkv, self.conv1d.weight.squeeze(1), conv_states, meta.decode_slots,
                                  activation=self.activation)
         q, k, v = self._split_heads(x)
-        return recurrent_gated_delta_rule(q, k, v, g, beta, ssm_states, slots, use_qk_l2norm_in_kernel=True)
+        return recurrent_gated_delta_rule(q, k, v, g, beta, ssm_states, meta.decode_slots,
+                                          slot_block=meta.decode_slot_block, use_qk_l2norm_in_kernel=True)
 
     def _prefill(self, mixed_qkv, g, beta, state, meta) -> torch.Tensor:
         conv_states, ssm_states = state

@@ -49,6 +49,8 @@ class StateMetadata:
 
     decode_token_idx: torch.Tensor | None  # [Bd] rows of the decodes; None if there are none
     decode_slots: torch.Tensor | None  # [Bd]
+    # (first, order) when the decode slots are exactly first..first+Bd-1; order: rows by slot, or None
+    decode_slot_block: tuple[int, torch.Tensor | None] | None
     prefill_token_idx: torch.Tensor | None  # [Tp] rows of the prefills; None if they are all rows, in order
     prefill_cu_seqlens: torch.Tensor | None  # [Bp + 1] over the prefill rows; None if no prefill
     prefill_slots: torch.Tensor | None  # [Bp]
@@ -69,9 +71,13 @@ def build_state_metadata(query_lens: list[int], start_positions: list[int], slot
             prefill_rows.extend(range(row, row + q_len))
             prefill.append((q_len, slot, start > 0))
         row += q_len
-    meta = StateMetadata(None, None, None, None, None, None)
+    meta = StateMetadata(None, None, None, None, None, None, None)
     if decode_rows:
         meta.decode_token_idx, meta.decode_slots = as_long(decode_rows), as_long(decode_slots)
+        first = min(decode_slots)
+        if max(decode_slots) - first == len(decode_slots) - 1:  # distinct slots: a contiguous block
+            order = sorted(range(len(decode_slots)), key=decode_slots.__getitem__)
+            meta.decode_slot_block = (first, None if order == list(range(len(order))) else as_long(order))
     if prefill:
         lens, prefill_slots, has_initial = zip(*prefill)
         meta.prefill_token_idx = as_long(prefill_rows) if decode_rows else None

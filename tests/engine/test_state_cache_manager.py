@@ -27,19 +27,19 @@ def test_allocate_is_idempotent():
     assert m.num_free_slots == 1 and m.get_slot("a") == 0
 
 
-def test_freed_slot_is_reused_first():
+def test_lowest_free_slot_goes_first():
     m = StateCacheManager(4)
     for r in "abc":
         m.allocate(r)
     m.free("b")  # slot 1
     assert m.get_slot("b") is None
     assert m.allocate("d") == 1
-    m.free("a")
     m.free("c")
-    assert m.allocate("e") == 2  # last freed, first reused
-    assert m.allocate("f") == 0
+    m.free("a")
+    assert m.allocate("e") == 0  # the lowest, whatever the order of freeing
+    assert m.allocate("f") == 2
     assert m.allocate("g") == 3
-    assert m.req_to_slot == {"d": 1, "e": 2, "f": 0, "g": 3}
+    assert m.req_to_slot == {"d": 1, "e": 0, "f": 2, "g": 3}
     _check_invariant(m)
 
 

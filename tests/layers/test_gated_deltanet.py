@@ -91,6 +91,22 @@ def test_recurrent_matches_transformers():
     assert (pool[untouched] == 7.0).all()
 
 
+@pytest.mark.parametrize("slots", [[1, 2, 3], [3, 1, 2], [5, 4]])
+def test_recurrent_in_place_on_a_slot_block_equals_the_gathered_path(slots):
+    step = [torch.stack(xs) for xs in zip(*(
+        [x[0] for x in gdn_inputs(1, seed=20 + i)] for i in range(len(slots))))]
+    pool = random_states(6)
+    expected_pool = pool.clone()
+    idx = torch.tensor(slots)
+    expected = recurrent_gated_delta_rule(*step, expected_pool, idx, use_qk_l2norm_in_kernel=True)
+    first = min(slots)
+    order = sorted(range(len(slots)), key=slots.__getitem__)
+    block = (first, None if order == sorted(order) else torch.tensor(order))
+    got = recurrent_gated_delta_rule(*step, pool, idx, slot_block=block, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(got, expected, **TOL)
+    torch.testing.assert_close(pool, expected_pool, **TOL)
+
+
 @pytest.mark.parametrize("decay_scale", [1.0, 0.01])  # 0.01: near-1 decays, a long memory
 def test_chunk_matches_token_by_token_recurrent(decay_scale):
     length = 150

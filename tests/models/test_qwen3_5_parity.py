@@ -237,3 +237,8 @@ def test_state_metadata_splits_decodes_from_prefills():
     meta = build_state_metadata([1, 4], [0, 8], [3, 1], torch.device("cpu"))
     assert meta.decode_token_idx is None and meta.prefill_token_idx is None
     assert meta.prefill_cu_seqlens.tolist() == [0, 1, 5] and meta.prefill_has_initial_state.tolist() == [False, True]
+    # decodes in slots 5, 3, 4: a block starting at 3, rows in slot order 1, 2, 0
+    meta = build_state_metadata([1, 1, 1], [7, 9, 4], [5, 3, 4], torch.device("cpu"))
+    assert meta.decode_slot_block[0] == 3 and meta.decode_slot_block[1].tolist() == [1, 2, 0]
+    assert build_state_metadata([1, 1], [7, 9], [0, 1], torch.device("cpu")).decode_slot_block == (0, None)
+    assert build_state_metadata([1, 1], [7, 9], [0, 2], torch.device("cpu")).decode_slot_block is None
