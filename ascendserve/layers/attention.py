@@ -30,6 +30,10 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] their block tables (padded with block 0)
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] bool, False past the context
     prefills: list[PrefillSeq]
+    # Scratch for the decode block gather [2, Bd * max_blocks, block_size, Hk, D]: allocated by the
+    # first attention layer of the step, reused by the others. A fresh buffer per layer (10-100 MB at
+    # batch 64) spent more time faulting in new pages than copying (benchmarks/probe_decode_attention.py).
+    decode_kv_workspace: torch.Tensor | None = None
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -64,11 +68,31 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 
 def _decode(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    # Gather whole blocks (block_size contiguous rows each) rather than single token rows.
-    num_decodes, num_blocks = meta.decode_block_tables.shape
-    ks = kv_cache[0][meta.decode_block_tables].view(num_decodes, -1, *kv_cache.shape[-2:])
-    vs = kv_cache[1][meta.decode_block_tables].view(num_decodes, -1, *kv_cache.shape[-2:])
-    return _sdpa(q.unsqueeze(1), ks, vs, meta.decode_mask, scale, causal=False)[:, 0]
+    """q [Bd, Hq, D], one token per request, over its cached blocks -> [Bd, Hq, D].
+
+    The G = Hq / Hk query heads that share kv head j (heads j*G .. j*G+G-1, enable_gqa's grouping)
+    go to SDPA as G query rows of head j, q [Bd, Hk, G, D]: each kv head's K/V is read once for its
+    G queries, a [G, D] x [D, T] product, not once per query head. No causal mask: the
+    new token sees its whole context; the length mask hides the padding of shorter requests.
+    """
+    num_decodes, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[-2]
+    kv = _gather_decode_blocks(kv_cache, meta)  # [2, Bd, T, Hk, D]
+    out = F.scaled_dot_product_attention(q.reshape(num_decodes, num_kv_heads, -1, head_dim),
+                                         kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+                                         attn_mask=meta.decode_mask, scale=scale)
+    return out.reshape(num_decodes, num_heads, head_dim)
+
+
+def _gather_decode_blocks(kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """K and V of the decode requests' blocks, [2, Bd, max_blocks * block_size, Hk, D], in the step's workspace."""
+    tables = meta.decode_block_tables
+    shape = (2, tables.numel(), *kv_cache.shape[2:])
+    workspace = meta.decode_kv_workspace
+    if workspace is None or workspace.shape != shape or workspace.dtype != kv_cache.dtype:
+        workspace = meta.decode_kv_workspace = kv_cache.new_empty(shape)
+    torch.index_select(kv_cache, 1, tables.view(-1), out=workspace)
+    return workspace.view(2, tables.shape[0], -1, *kv_cache.shape[-2:])
 
 
 def _sdpa(q, k, v, mask, scale, causal=True) -> torch.Tensor:

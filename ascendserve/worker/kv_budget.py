@@ -33,6 +33,8 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
         if args.kv_cache_memory_bytes is not None:
             budget, source = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         else:
+            # The default budget reads free memory now, after build_model: copies made at load
+            # (MKL weight packs, layers/linear.py) are already resident and so already excluded.
             weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             budget = config.platform.default_kv_cache_bytes(args.gpu_memory_utilization, weight_bytes)
             source = f"{config.platform.name} default"

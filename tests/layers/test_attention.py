@@ -1,0 +1,62 @@
+"""Paged decode attention (query heads grouped per kv head, shared gather workspace) against dense SDPA."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ascendserve.layers.attention import build_attention_metadata, paged_attention
+
+BLOCK_SIZE = 4
+
+
+def _dense_reference(q, ks, vs, scale):
+    """q [Hq, D] of one new token over its whole context ks/vs [T, Hk, D] -> [Hq, D]."""
+    out = F.scaled_dot_product_attention(q[None, :, None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                                         scale=scale, enable_gqa=True)
+    return out[0, :, 0]
+
+
+def _step(context_lens, num_heads, num_kv_heads, head_dim, seed):
+    """A decode step of len(context_lens) requests on shuffled blocks; returns (q, k, v, cache, meta, histories)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in context_lens) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, histories = [], []
+    cache = torch.zeros(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    for n in context_lens:
+        table = [order.pop() for _ in range(-(-n // BLOCK_SIZE))]
+        tables.append(table)
+        past = torch.randn(2, n - 1, num_kv_heads, head_dim, generator=gen)
+        for p in range(n - 1):  # the cached context, written where the block table says
+            cache[:, table[p // BLOCK_SIZE], p % BLOCK_SIZE] = past[:, p]
+        histories.append(past)
+    lens = np.array(context_lens)
+    meta = build_attention_metadata(np.ones(len(lens), dtype=np.int64), lens - 1, lens - 1, tables, BLOCK_SIZE,
+                                    torch.device("cpu"))
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    k = torch.randn(len(lens), num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(len(lens), num_kv_heads, head_dim, generator=gen)
+    return q, k, v, cache, meta, histories
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 2, 32), (4, 4, 16)])
+def test_decode_matches_dense_attention_over_the_context(num_heads, num_kv_heads, head_dim):
+    context_lens = [1, 5, 8, 13, 30]  # block edges and a one-token context; tables padded to the longest
+    q, k, v, cache, meta, histories = _step(context_lens, num_heads, num_kv_heads, head_dim, seed=0)
+    out = paged_attention(q, k, v, cache, meta, head_dim ** -0.5)
+    for i, past in enumerate(histories):
+        ks, vs = torch.cat([past[0], k[i:i + 1]]), torch.cat([past[1], v[i:i + 1]])
+        ref = _dense_reference(q[i], ks, vs, head_dim ** -0.5)
+        torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_sharing_the_step_workspace_read_their_own_cache():
+    q, k, v, cache, meta, _ = _step([6, 11], 6, 2, 16, seed=1)
+    other = torch.randn_like(cache)
+    first = paged_attention(q, k, v, cache.clone(), meta, 0.25)
+    workspace = meta.decode_kv_workspace
+    paged_attention(q, k, v, other, meta, 0.25)  # another layer: same workspace, other values
+    assert meta.decode_kv_workspace is workspace
+    again = paged_attention(q, k, v, cache.clone(), meta, 0.25)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
