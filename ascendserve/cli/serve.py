@@ -36,7 +36,8 @@ NO_EFFECT_FLAGS = {
     "--headless": ({"action": "store_true"}, "there are no remote engines to run headless"),
     "--pipeline-parallel-size": ({"type": int}, "pipeline parallelism is not implemented"),
     "--enable-expert-parallel": ({"action": "store_true"}, "expert parallelism is not implemented"),
-    "--compilation-config": ({"type": None}, "no graph capture or compilation: the model runs eagerly"),
+    "--compilation-config": ({"type": None}, "its keys are not read (no graph capture); what is compiled is "
+                             "fixed (see ascendserve/compilation.py) and --enforce-eager turns it off"),
     "--additional-config": ({"type": None}, "no platform plugin reads it"),
     "--speculative-config": ({"type": None}, "speculative decoding (MTP) is not implemented"),
     "--kv-cache-dtype": ({}, "the KV cache uses the model dtype"),

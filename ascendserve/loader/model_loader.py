@@ -177,4 +177,10 @@ def build_model(config: EngineConfig) -> torch.nn.Module:
     if config.args.quantization:
         from ascendserve.layers.quantization import quantize_model_
         quantize_model_(model, config.args.quantization)
+    else:  # fp32 on CPU: MKL-packed weights for decode batches (a no-op elsewhere)
+        from ascendserve.layers.linear import prepack_linears_
+        prepack_linears_(model)
+    if not config.args.enforce_eager:
+        from ascendserve.compilation import compile_model_
+        compile_model_(model, config.platform)
     return model.eval()

@@ -31,6 +31,10 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
+    # Not yet shown to help here: an interleaved A/B of the demo's decode step (compiled norms,
+    # activations, rotary vs eager) was inconclusive on a loaded 2-core host, and compiling costs
+    # 10-50 s at start-up. ASCENDSERVE_COMPILE=1 turns it on.
+    compile_by_default = False
 
     def is_available(self) -> bool:
         return True

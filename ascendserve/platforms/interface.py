@@ -10,6 +10,8 @@ class Platform:
     device_type = "cpu"
     dist_backend = "gloo"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    # Whether the model's elementwise chains are torch.compiled unless --enforce-eager (compilation.py).
+    compile_by_default = True
 
     def is_available(self) -> bool:
         """True when this platform's device can be used in this process."""

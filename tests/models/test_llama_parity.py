@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from ascendserve import LLM, SamplingParams
+from ascendserve.compilation import compiled_module_classes
 from tests.models.reference import check_outputs, hf_greedy, make_prompts, randomize_
 
 VOCAB = 512
@@ -51,10 +52,14 @@ def _assert_pool_clean(llm):
     assert in_use == 0 and free + cached == pool.num_blocks
 
 
-def test_default_engine(checkpoint):
+@pytest.mark.parametrize("enforce_eager", [True, False])  # False: norms, activation, rotary compiled
+def test_default_engine(checkpoint, enforce_eager, monkeypatch):
+    monkeypatch.setenv("ASCENDSERVE_COMPILE", "1")  # whatever this platform's default
     path, prompts, refs = checkpoint
-    llm, outputs = _generate(path, prompts, num_gpu_blocks_override=256)
+    llm, outputs = _generate(path, prompts, num_gpu_blocks_override=256, enforce_eager=enforce_eager)
     check_outputs(outputs, refs)
+    compilable = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, compiled_module_classes())]
+    assert len(compilable) >= 8 and all(("forward" in vars(m)) != enforce_eager for m in compilable)
     _assert_pool_clean(llm)
 
 

@@ -108,11 +108,14 @@ def _assert_clean(engine):
     assert state.num_free_slots == state.num_slots and not state.req_to_slot
 
 
-@pytest.mark.parametrize("kind,budget", [("dense", 16), ("dense", 48), ("dense", 100), ("moe", 48), ("vl", 100)])
-def test_chunked_prefill(checkpoints, kind, budget):
+@pytest.mark.parametrize("kind,budget,enforce_eager", [("dense", 16, True), ("dense", 48, True), ("dense", 100, True),
+                                                       ("dense", 100, False), ("moe", 48, False), ("vl", 100, True)])
+def test_chunked_prefill(checkpoints, kind, budget, enforce_eager, monkeypatch):
+    monkeypatch.setenv("ASCENDSERVE_COMPILE", "1")  # compiled unless enforce_eager, whatever the default
     path, prompts, refs = checkpoints(kind)
     # Prefix caching is asked for but must be off: a hybrid model cannot reuse KV blocks alone.
-    llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=budget, enable_prefix_caching=True)
+    llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=budget, enable_prefix_caching=True,
+               enforce_eager=enforce_eager)
     assert not llm.llm_engine.config.enable_prefix_caching
     assert not llm.llm_engine.kv_cache_manager.enable_caching
     check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
