@@ -38,10 +38,11 @@ class ServeConfig:
     temperature: float = 0.0
     disable_tqdm: bool = False
     timeout_s: float = 6 * 3600
+    extra_body: dict | None = None  # merged into every request body last (vLLM's --extra-body)
 
 
 def request_body(cfg: ServeConfig, req: SampleRequest) -> dict:
-    """The JSON body for one prompt: completions take `prompt`, chat takes one user message."""
+    """The JSON body for one prompt: completions take `prompt`, chat takes one user message; then `extra_body`."""
     body = {"model": cfg.model, "max_tokens": req.expected_output_len, "temperature": cfg.temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     if cfg.endpoint.endswith("chat/completions"):
@@ -51,6 +52,7 @@ def request_body(cfg: ServeConfig, req: SampleRequest) -> dict:
         body["prompt"] = req.prompt
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    body.update(cfg.extra_body or {})
     return body
 
 

@@ -8,6 +8,7 @@
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 
@@ -53,6 +54,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--extra-body", type=_json_object, default=None,
+                   help="a JSON object merged into every request body, e.g. for a server without ignore_eos: "
+                        "'{\"min_tokens\": 128}'")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     p.add_argument("--metric-percentiles", default="99")
     p.add_argument("--save-result", action="store_true")
@@ -61,6 +65,17 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", action="store_true", help="write a PNG chart next to the results")
     p.add_argument("--disable-tqdm", action="store_true")
     p.set_defaults(func=run_serve)
+
+
+def _json_object(value: str) -> dict:
+    """argparse type of --extra-body: a JSON object."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {value!r}")
+    return parsed
 
 
 def _add_offline_common(p: argparse.ArgumentParser) -> None:
@@ -95,7 +110,7 @@ def _serve_config(ns, concurrency: int | None):
     return ServeConfig(base_url=ns.base_url, endpoint=ns.endpoint, model=ns.model, api_key=ns.api_key,
                        ignore_eos=ns.ignore_eos, max_concurrency=concurrency, request_rate=ns.request_rate,
                        burstiness=ns.burstiness, seed=ns.seed, temperature=ns.temperature,
-                       disable_tqdm=ns.disable_tqdm)
+                       disable_tqdm=ns.disable_tqdm, extra_body=ns.extra_body)
 
 
 def _concurrency_levels(ns) -> list[int | None]:

@@ -65,6 +65,12 @@ def test_request_body_without_ignore_eos():
     assert "ignore_eos" not in body and body["max_tokens"] == 9 and body["temperature"] == 0.0
 
 
+def test_extra_body_is_merged_last():
+    cfg = ServeConfig("u", "/v1/completions", "m", ignore_eos=True, extra_body={"min_tokens": 9, "temperature": 1})
+    body = request_body(cfg, SampleRequest("p", 1, 9))
+    assert body["min_tokens"] == 9 and body["temperature"] == 1 and body["ignore_eos"] is True
+
+
 def test_poisson_arrivals_pace_requests():
     async def collect(rate):
         loop = asyncio.get_running_loop()
@@ -130,6 +136,9 @@ def test_cli_flags_parse():
     ns = build_parser().parse_args(["bench", "serve", "--dataset", "prefix-repetition", "--prefix-len", "8",
                                     "--num-prefixes", "2", "--sweep-concurrency", "1,4", "--request-rate", "2"])
     assert (ns.dataset_name, ns.prefix_len, ns.num_prefixes, ns.request_rate) == ("prefix-repetition", 8, 2, 2.0)
+    assert build_parser().parse_args(["bench", "serve", "--extra-body", '{"a": [1]}']).extra_body == {"a": [1]}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "serve", "--extra-body", "[1]"])
     ns = build_parser().parse_args(["bench", "throughput", "--min-len", "32", "--max-len", "256",
                                     "--max-model-len", "512"])
     assert (ns.min_len, ns.max_len, ns.max_model_len, ns.num_prompts) == (32, 256, 512, 1000)
