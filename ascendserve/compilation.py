@@ -1,6 +1,6 @@
 """torch.compile of the model's elementwise chains (norms, gated activations, rotary), off with --enforce-eager.
 
-What is compiled: the forward of every module of a class in `COMPILED_MODULES`, each with
+What is compiled: the forward of every module of a class `compiled_module_classes()` lists, each with
 `dynamic=True` (one graph whatever the number of tokens) and `fullgraph=True`. All instances of a
 class share one compiled graph: parameters are graph inputs, not constants. What is not: linears
 (the weight-streaming GEMMs, already single library calls), paged attention and the Gated DeltaNet
