@@ -95,6 +95,7 @@ class ModelRunner:
         self.model = model
         self.device = config.device
         self.block_size = config.args.block_size
+        self.num_blocks = num_blocks
         self.sampler = Sampler(seed=config.args.seed)
         self.kv_caches = allocate_kv_caches(model.kv_cache_spec(), num_blocks, self.block_size,
                                             config.dtype, self.device)
