@@ -59,7 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU threads for every engine and for the bandwidth probe")
     p.add_argument("--vllm-dtypes", default="bfloat16,float32", help="vLLM runs once per dtype and mode")
     p.add_argument("--vllm-modes", default="compiled,eager", help="compiled (default torch.compile), eager")
-    p.add_argument("--ascendserve-args", default="", help="extra `ascendserve serve` flags, e.g. '--dtype bfloat16'")
+    p.add_argument("--ascendserve-args", action="append", default=None,
+                   help="extra `ascendserve serve` flags, e.g. '--dtype bfloat16'; repeat it to run one "
+                        "configuration per value ('' = the defaults), e.g. --ascendserve-args '' "
+                        "--ascendserve-args '--quantization int4'")
     p.add_argument("--transformers-dtype", default=None,
                    help="default: bfloat16 on CPUs with AMX or AVX512-BF16, else float32")
     p.add_argument("--run-timeout", type=float, default=3600, help="seconds for one `bench serve` run")
@@ -249,22 +252,27 @@ def configs(ns, model: Model, venvs: dict[str, Path], notes: list[str]) -> list[
     params = hf_decode_params(model.hf_dir)
     fast_bf16 = bool({"amx_bf16", "avx512_bf16"} & peers.cpu_flags())
     ctx = ns.input_len + ns.output_len + 64  # every server's max model length (llama-server: per slot)
-    builders = {"ascendserve": lambda: [_ascendserve(ns, model, params, fast_bf16, ctx)],
+    builders = {"ascendserve": lambda: [_ascendserve(ns, model, params, fast_bf16, ctx, extra)
+                                        for extra in ns.ascendserve_args or [""]],
                 "vllm": lambda: _vllm(ns, model, params, venvs["vllm"], ctx, notes),
                 "llamacpp": lambda: _llamacpp(ns, model, venvs["llamacpp"], ctx),
                 "transformers": lambda: [_transformers(ns, model, params, fast_bf16, venvs["transformers"], notes)]}
     return [cfg for engine in ns.engines for cfg in builders[engine]()]
 
 
-def _ascendserve(ns, model: Model, params: int, fast_bf16: bool, ctx: int) -> Config:
+def _ascendserve(ns, model: Model, params: int, fast_bf16: bool, ctx: int, extra: str) -> Config:
     # The dtype its platform will pick (checked against the "Engine ready" log line once it runs).
     dtype = "bfloat16" if fast_bf16 and model.ascendserve_path.is_dir() else "float32"
+    flags = shlex.split(extra)
+    weights, nbytes = dtype, params * BYTES_PER_PARAM[dtype]
+    if "--quantization" in flags:  # weight-only: 1 byte (int8) or half a byte (int4) per weight, scales aside
+        weights = flags[flags.index("--quantization") + 1]
+        nbytes = params * {"int8": 1, "int4": 0.5}[weights]
     argv = [Path(sys.executable).with_name("ascendserve"), "serve", model.ascendserve_path, "--served-model-name",
-            model.name, "--host", "127.0.0.1", "--max-model-len", ctx, "--seed", ns.seed,
-            *shlex.split(ns.ascendserve_args)]
-    return Config("ascendserve", "ascendserve", lambda port, c: ServerSpec(
+            model.name, "--host", "127.0.0.1", "--max-model-len", ctx, "--seed", ns.seed, *flags]
+    return Config("ascendserve", " ".join(["ascendserve", *flags]), lambda port, c: ServerSpec(
         argv + ["--port", port], model.name, {"OMP_NUM_THREADS": str(ns.threads)}, 600),
-        dtype, params * BYTES_PER_PARAM[dtype])
+        weights, int(nbytes))
 
 
 def _vllm(ns, model: Model, params: int, venv: Path, ctx: int, notes: list[str]) -> list[Config]:
@@ -375,7 +383,7 @@ def run_config(ns, cfg: Config, model: Model, out_dir: Path, log_dir: Path) -> d
                 record["servers"].append({"command": spec.command_line(), "log": str(log),
                                           "startup_s": round(startup, 1)})
                 dtype = _ascendserve_dtype(log) if cfg.engine == "ascendserve" else None
-                if dtype in BYTES_PER_PARAM and dtype != cfg.weights:  # the engine chose another dtype
+                if dtype in BYTES_PER_PARAM and cfg.weights in BYTES_PER_PARAM and dtype != cfg.weights:  # it chose another
                     record["decode_bytes"] = cfg.decode_bytes * BYTES_PER_PARAM[dtype] // BYTES_PER_PARAM[cfg.weights]
                     record["weights"] = dtype
                 for level in levels:

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ascendserve.layers import cpu_kernels
+
 
 @dataclass
 class PrefillSeq:
@@ -29,6 +31,7 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor | None  # [Bd] rows of the single-token requests
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] their block tables (padded with block 0)
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] bool, False past the context
+    decode_context_lens: torch.Tensor | None  # [Bd] int64 tokens each decode attends to (its new one included)
     prefills: list[PrefillSeq]
     # Scratch for the decode block gather [2, Bd * max_blocks, block_size, Hk, D]: allocated by the
     # first attention layer of the step, reused by the others. A fresh buffer per layer (10-100 MB at
@@ -74,7 +77,10 @@ def _decode(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     go to SDPA as G query rows of head j, q [Bd, Hk, G, D]: each kv head's K/V is read once for its
     G queries, a [G, D] x [D, T] product, not once per query head. No causal mask: the
     new token sees its whole context; the length mask hides the padding of shorter requests.
+    On CPU the C++ kernel (cpu_kernels) does the same reading K/V in place, without the gather.
     """
+    if q.device.type == "cpu" and (kernels := cpu_kernels.ops()) is not None:
+        return kernels.paged_decode(q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[-2]
     kv = _gather_decode_blocks(kv_cache, meta)  # [2, Bd, T, Hk, D]
@@ -122,7 +128,7 @@ def build_attention_metadata(query_lens: np.ndarray, start_positions: np.ndarray
         tables[i, :len(table)] = table
     req_of_token = np.repeat(np.arange(num_reqs), query_lens)
     slots = tables[req_of_token, positions // block_size] * block_size + positions % block_size
-    meta = AttentionMetadata(torch.from_numpy(slots).to(device), None, None, None, [])
+    meta = AttentionMetadata(torch.from_numpy(slots).to(device), None, None, None, None, [])
     context_lens = start_positions + query_lens
     is_decode = query_lens == 1
     if is_decode.any():
@@ -133,6 +139,7 @@ def build_attention_metadata(query_lens: np.ndarray, start_positions: np.ndarray
         meta.decode_token_idx = torch.from_numpy(rows).to(device)
         meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(decode_tables)).to(device)
         meta.decode_mask = torch.from_numpy(mask)[:, None, None, :].to(device)
+        meta.decode_context_lens = torch.from_numpy(context_lens[is_decode]).to(device)
     row = 0
     for i in range(num_reqs):
         q_len, start = int(query_lens[i]), int(start_positions[i])

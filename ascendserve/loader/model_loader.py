@@ -180,6 +180,9 @@ def build_model(config: EngineConfig) -> torch.nn.Module:
     else:  # fp32 on CPU: MKL-packed weights for decode batches (a no-op elsewhere)
         from ascendserve.layers.linear import prepack_linears_
         prepack_linears_(model)
+    if config.device.type == "cpu":
+        from ascendserve.layers import cpu_kernels
+        cpu_kernels.ops()  # build or load the C++ kernels now, not inside the first request
     if not config.args.enforce_eager:
         from ascendserve.compilation import compile_model_
         compile_model_(model, config.platform)

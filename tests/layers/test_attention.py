@@ -1,13 +1,25 @@
-"""Paged decode attention (query heads grouped per kv head, shared gather workspace) against dense SDPA."""
+"""Paged decode attention against dense SDPA: the C++ CPU kernel, and the plain-torch path (query heads
+grouped per kv head, shared gather workspace) that other devices and ASCENDSERVE_CPU_KERNELS=0 use."""
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from ascendserve.layers import cpu_kernels
 from ascendserve.layers.attention import build_attention_metadata, paged_attention
 
 BLOCK_SIZE = 4
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Run the test once through the C++ kernel (which must build here) and once through plain torch."""
+    if request.param == "kernel":
+        assert cpu_kernels.ops() is not None, "the CPU kernels did not build: see the warning above"
+    else:
+        monkeypatch.setitem(cpu_kernels._state, "ops", None)
+    return request.param
 
 
 def _dense_reference(q, ks, vs, scale):
@@ -41,7 +53,7 @@ def _step(context_lens, num_heads, num_kv_heads, head_dim, seed):
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 2, 32), (4, 4, 16)])
-def test_decode_matches_dense_attention_over_the_context(num_heads, num_kv_heads, head_dim):
+def test_decode_matches_dense_attention_over_the_context(num_heads, num_kv_heads, head_dim, decode_path):
     context_lens = [1, 5, 8, 13, 30]  # block edges and a one-token context; tables padded to the longest
     q, k, v, cache, meta, histories = _step(context_lens, num_heads, num_kv_heads, head_dim, seed=0)
     out = paged_attention(q, k, v, cache, meta, head_dim ** -0.5)
@@ -51,7 +63,21 @@ def test_decode_matches_dense_attention_over_the_context(num_heads, num_kv_heads
         torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_layers_sharing_the_step_workspace_read_their_own_cache():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_in_half_precision_matches_fp32_attention(dtype, decode_path):
+    q, k, v, cache, meta, histories = _step([3, 17, 40], 8, 2, 32, seed=2)
+    q, k, v, cache = q.to(dtype), k.to(dtype), v.to(dtype), cache.to(dtype)
+    out = paged_attention(q, k, v, cache, meta, 32 ** -0.5)
+    assert out.dtype == dtype
+    for i, past in enumerate(histories):
+        ks = torch.cat([past[0].to(dtype), k[i:i + 1]]).float()
+        vs = torch.cat([past[1].to(dtype), v[i:i + 1]]).float()
+        ref = _dense_reference(q[i].float(), ks, vs, 32 ** -0.5)
+        torch.testing.assert_close(out[i].float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_layers_sharing_the_step_workspace_read_their_own_cache(monkeypatch):
+    monkeypatch.setitem(cpu_kernels._state, "ops", None)  # the workspace belongs to the plain-torch path
     q, k, v, cache, meta, _ = _step([6, 11], 6, 2, 16, seed=1)
     other = torch.randn_like(cache)
     first = paged_attention(q, k, v, cache.clone(), meta, 0.25)

@@ -1,0 +1,57 @@
+"""C++ kernels for CPUs, compiled on first use with torch's extension builder and cached.
+
+Only what plain torch cannot do without extra memory traffic lives here (paged decode attention,
+csrc/paged_decode_cpu.cpp). The build needs a C++ compiler (g++) and ninja; it is cached under
+TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so only the first process pays for it
+(about 30 s). Without a compiler, or with ASCENDSERVE_CPU_KERNELS=0, `ops()` returns None and the
+layers keep their plain-torch path, after one warning line that says why.
+"""
+
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from ascendserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+_SOURCES = ["paged_decode_cpu.cpp"]
+_lock = threading.Lock()
+_state: dict = {}  # "ops": the loaded op namespace or None once a load was tried
+
+
+def ops():
+    """torch.ops.ascendserve_cpu once built and loaded; None when disabled or the build failed."""
+    if "ops" in _state:
+        return _state["ops"]
+    with _lock:
+        if "ops" not in _state:
+            _state["ops"] = _load()
+    return _state["ops"]
+
+
+def _load():
+    if os.environ.get("ASCENDSERVE_CPU_KERNELS", "1") == "0":
+        logger.info("ASCENDSERVE_CPU_KERNELS=0: plain-torch paged decode attention on CPU")
+        return None
+    from torch.utils import cpp_extension
+    # ninja from the venv (the `ninja` wheel) when the venv's bin is not on PATH.
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    here = os.path.join(os.path.dirname(__file__), "csrc")
+    start = time.perf_counter()
+    try:
+        cpp_extension.load(name="ascendserve_cpu_kernels", sources=[os.path.join(here, s) for s in _SOURCES],
+                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, headers missing: keep the torch path
+        logger.warning("CPU kernels not built (%s: %s); paged decode attention stays on the slower plain-torch "
+                       "path. Install g++ and ninja, or set ASCENDSERVE_CPU_KERNELS=0 to silence this.",
+                       type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        return None
+    logger.info("CPU kernels (paged decode attention) ready in %.1f s", time.perf_counter() - start)
+    return torch.ops.ascendserve_cpu
