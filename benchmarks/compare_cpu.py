@@ -61,8 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-modes", default="compiled,eager", help="compiled (default torch.compile), eager")
     p.add_argument("--ascendserve-args", action="append", default=None,
                    help="extra `ascendserve serve` flags, e.g. '--dtype bfloat16'; repeat it to run one "
-                        "configuration per value ('' = the defaults), e.g. --ascendserve-args '' "
-                        "--ascendserve-args '--quantization int4'")
+                        "configuration per value ('' = the defaults); a 'C=1,8:' prefix runs it at those "
+                        "levels only, e.g. --ascendserve-args '' --ascendserve-args 'C=1:--quantization int4'")
     p.add_argument("--transformers-dtype", default=None,
                    help="default: bfloat16 on CPUs with AMX or AVX512-BF16, else float32")
     p.add_argument("--run-timeout", type=float, default=3600, help="seconds for one `bench serve` run")
@@ -245,6 +245,7 @@ class Config:
     decode_bytes: int | None
     restart_per_level: bool = False  # llama-server sizes its slots (--parallel) per level
     client_args: list[str] = field(default_factory=lambda: ["--ignore-eos"])
+    levels: list[int] | None = None  # only these concurrency levels (None: all of --concurrency)
 
 
 def configs(ns, model: Model, venvs: dict[str, Path], notes: list[str]) -> list[Config]:
@@ -263,6 +264,10 @@ def configs(ns, model: Model, venvs: dict[str, Path], notes: list[str]) -> list[
 def _ascendserve(ns, model: Model, params: int, fast_bf16: bool, ctx: int, extra: str) -> Config:
     # The dtype its platform will pick (checked against the "Engine ready" log line once it runs).
     dtype = "bfloat16" if fast_bf16 and model.ascendserve_path.is_dir() else "float32"
+    levels = None
+    if extra.startswith("C="):
+        spec, extra = extra.split(":", 1)
+        levels = [int(c) for c in spec[2:].split(",")]
     flags = shlex.split(extra)
     weights, nbytes = dtype, params * BYTES_PER_PARAM[dtype]
     if "--quantization" in flags:  # weight-only: 1 byte (int8) or half a byte (int4) per weight, scales aside
@@ -272,7 +277,7 @@ def _ascendserve(ns, model: Model, params: int, fast_bf16: bool, ctx: int, extra
             model.name, "--host", "127.0.0.1", "--max-model-len", ctx, "--seed", ns.seed, *flags]
     return Config("ascendserve", " ".join(["ascendserve", *flags]), lambda port, c: ServerSpec(
         argv + ["--port", port], model.name, {"OMP_NUM_THREADS": str(ns.threads)}, 600),
-        weights, int(nbytes))
+        weights, int(nbytes), levels=levels)
 
 
 def _vllm(ns, model: Model, params: int, venv: Path, ctx: int, notes: list[str]) -> list[Config]:
@@ -367,7 +372,8 @@ def run_config(ns, cfg: Config, model: Model, out_dir: Path, log_dir: Path) -> d
     """Start the server (once, or per level), warm it up, run every level, stop it."""
     record = {"engine": cfg.engine, "weights": cfg.weights, "decode_bytes": cfg.decode_bytes,
               "servers": [], "levels": {}}
-    groups = [[c] for c in ns.levels] if cfg.restart_per_level else [ns.levels]
+    wanted = [c for c in ns.levels if cfg.levels is None or c in cfg.levels]
+    groups = [[c] for c in wanted] if cfg.restart_per_level else [wanted]
     begin = time.monotonic()
     for levels in groups:
         port = peers.free_port()
@@ -451,7 +457,7 @@ def model_tables(ns, model_result: dict, bandwidth: float) -> list[str]:
         cells = []
         for c in ns.levels:
             s = r["levels"].get(c, {})
-            cells.append(s["error"][:60] if s.get("error") else
+            cells.append("-" if not s else s["error"][:60] if s.get("error") else
                          f"{s['output_throughput']:.1f} / {s['median_ttft_ms']:.0f} / {s['median_tpot_ms']:.1f}"
                          + (f" (cap {s['cap']})" if s.get("cap") else "") + (" short" if s.get("warning") else ""))
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {r.get('wall_s', '-')} |")
