@@ -322,7 +322,10 @@ class Server:
         import httpx
         body = {"model": self.spec.model, "prompt": "hello " * prompt_words, "max_tokens": max_tokens,
                 "temperature": 0}
-        r = httpx.post(self.base_url + "/v1/completions", json=body, timeout=1800)
+        try:
+            r = httpx.post(self.base_url + "/v1/completions", json=body, timeout=1800)
+        except httpx.HTTPError as e:  # the server died or hung up mid-request: this configuration fails, not the run
+            raise PeerError(f"warm-up request failed: {type(e).__name__}: {e}; log {self.log}") from e
         if r.status_code != 200:
             raise PeerError(f"warm-up request answered {r.status_code}: {r.text[:300]}; log {self.log}")
 
