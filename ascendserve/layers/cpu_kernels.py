@@ -7,6 +7,7 @@ TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so only the first proc
 layers keep their plain-torch path, after one warning line that says why.
 """
 
+import hashlib
 import os
 import sys
 import threading
@@ -45,7 +46,7 @@ def _load():
     here = os.path.join(os.path.dirname(__file__), "csrc")
     start = time.perf_counter()
     try:
-        cpp_extension.load(name="ascendserve_cpu_kernels", sources=[os.path.join(here, s) for s in _SOURCES],
+        cpp_extension.load(name=f"ascendserve_cpu_kernels_{_cpu_tag()}", sources=[os.path.join(here, s) for s in _SOURCES],
                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, headers missing: keep the torch path
@@ -55,3 +56,13 @@ def _load():
         return None
     logger.info("CPU kernels (paged decode attention) ready in %.1f s", time.perf_counter() - start)
     return torch.ops.ascendserve_cpu
+
+
+def _cpu_tag() -> str:
+    """A short hash of the CPU's feature flags: a build with -march=native is reused only on a CPU like it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:8]

@@ -2,14 +2,14 @@
 //
 // The plain-torch path gathers every request's blocks into a contiguous workspace and then runs
 // SDPA over it, so each K/V byte crosses memory three times (gather read, gather write, SDPA read);
-// at 64 streams that gather was 40% of a decode step. Here each (request, kv head) pair reads its
-// K and V rows once, in block-table order.
+// at 64 streams that gather was 40% of a decode step. Here every request's K and V rows are read
+// once, in block-table order.
 //
 // Layout (ascendserve/layers/attention.py): kv_cache [2, num_blocks, block_size, Hk, D]
 // contiguous; token t of request b lives in block tables[b][t / block_size], row t % block_size.
 // Query heads h*G .. h*G+G-1 share kv head h (G = Hq / Hk), as in enable_gqa.
 //
-// Per (b, h): scores[g][t] = scale * q[g] . K[t]  (pass over K), softmax over t per g, then
+// Per request b and kv head h: scores[g][t] = scale * q[g] . K[t]  (pass over K), softmax over t per g, then
 // out[g] = sum_t p[g][t] V[t]  (pass over V). Accumulation in fp32 for every cache dtype.
 
 #include <ATen/ATen.h>
