@@ -12,11 +12,11 @@ chain into one C++ loop. On CPU inductor needs a C++ compiler; without one the m
 and one line says so.
 """
 
-import os
 import shutil
 
 import torch
 
+from ascendserve.config import env_switch
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -40,9 +40,8 @@ def compile_model_(model: torch.nn.Module, platform) -> int:
     Runs only where `platform.compile_by_default` (or ASCENDSERVE_COMPILE=1) and, on CPU, where a
     C++ compiler exists; --enforce-eager skips this function altogether.
     """
-    wanted = os.environ.get(ENV_VAR, "").strip().lower()
-    if wanted in ("0", "false", "off", "no") or (wanted not in ("1", "true", "on", "yes")
-                                                 and not platform.compile_by_default):
+    wanted = env_switch(ENV_VAR)
+    if wanted is False or (wanted is None and not platform.compile_by_default):
         return 0
     if platform.device_type == "cpu" and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
         logger.warning("no C++ compiler found (c++, g++, clang++): torch.compile cannot build CPU kernels, "

@@ -1,6 +1,7 @@
 """Engine configuration: vLLM's engine-argument names, validated once, then read everywhere."""
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,6 +10,13 @@ from ascendserve.logger import init_logger
 logger = init_logger(__name__)
 
 DEFAULT_MAX_NUM_SEQS = 256
+
+
+def env_switch(name: str) -> bool | None:
+    """An on/off environment switch: True for 1/true/on/yes, False for 0/false/off/no, None if unset or else."""
+    value = os.environ.get(name, "").strip().lower()
+    return True if value in ("1", "true", "on", "yes") else False if value in ("0", "false", "off", "no") else None
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, applied after loading (layers/quantization.py)
 

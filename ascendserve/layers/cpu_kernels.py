@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from ascendserve.config import env_switch
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -35,8 +36,8 @@ def ops():
 
 
 def _load():
-    if os.environ.get("ASCENDSERVE_CPU_KERNELS", "1") == "0":
-        logger.info("ASCENDSERVE_CPU_KERNELS=0: plain-torch paged decode attention on CPU")
+    if env_switch("ASCENDSERVE_CPU_KERNELS") is False:
+        logger.info("ASCENDSERVE_CPU_KERNELS is off: plain-torch paged decode attention on CPU")
         return None
     from torch.utils import cpp_extension
     # ninja from the venv (the `ninja` wheel) when the venv's bin is not on PATH.

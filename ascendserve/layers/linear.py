@@ -36,12 +36,11 @@ lm_head 248320x1024: M=1 89.6 vs 109, M=4 189 vs 113, M=8 275 vs 115, M=128 576 
 Set ASCENDSERVE_PACKED_LINEAR=0 to keep plain F.linear (for A/B timing).
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ascendserve.config import env_switch
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -54,7 +53,7 @@ MAX_PACKED_ROWS = 128  # above, F.linear was as fast or faster (prefill)
 
 def packing_supported() -> bool:
     """Whether torch has MKL's packed GEMM ops and packing is not turned off by ASCENDSERVE_PACKED_LINEAR=0."""
-    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "off", "no"):
+    if env_switch(ENV_VAR) is False:
         return False
     return (torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight") and hasattr(torch.ops.mkl, "_mkl_linear"))
