@@ -1,4 +1,4 @@
-"""fp32 linear layers with an MKL pre-packed weight, for decode-sized batches on CPU.
+"""fp32 linear layers for CPU decode: an MKL pre-packed weight, or a bf16-stored one (Bf16Linear, below).
 
 MKL's sgemm copies the weight into its internal panel layout on every call; at decode batch sizes
 that copy dominates and F.linear streams weights at only 4-10 GB/s. `cblas_sgemm_pack` does it once
@@ -34,6 +34,22 @@ lm_head 248320x1024: M=1 89.6 vs 109, M=4 189 vs 113, M=8 275 vs 115, M=128 576 
     change after packing. The layer keeps the original Parameter: a tied lm_head stays tied.
 
 Set ASCENDSERVE_PACKED_LINEAR=0 to keep plain F.linear (for A/B timing).
+
+bf16 weights, fp32 compute (Bf16Linear): a bf16 checkpoint run in fp32 (`--dtype auto` on a CPU without
+native bf16) loads every weight as fp32 though all of them are exact bf16 values. Such a layer keeps
+its weight as bf16 in a panel layout and multiplies with the C++ kernel in csrc/bf16_linear_cpu.cpp,
+which widens the weight in registers (exact) and accumulates in fp32: the same products as F.linear on
+the fp32 weight, half the bytes per decode step and half the memory, and no MKL pack beside it.
+Chosen per layer by the data (every weight bf16-exact, in_features even), not by a flag, so an fp32
+checkpoint (or a dequantized GGUF) keeps the MKL path. Measured with /tmp-style probes, 2 threads,
+ms per call, fp32 F.linear / MKL pack / this kernel:
+      shape (N x K)            M=1               M=8               M=64              M=256
+      Qwen3.5 8192x1024        1.52/2.14/0.58    4.85/2.54/1.58    8.25/5.99/7.23    23.6/-/28.0
+      Qwen3.5 1024x3584        0.40/0.49/0.18    1.11/0.63/0.41    3.27/2.80/2.76    10.0/-/10.4
+      SmolLM2 49152x576        5.60/5.72/3.34    21.7/7.41/5.38    27.0/18.7/23.2    109/-/117
+Above BF16_KERNEL_MAX_ROWS (prefill chunks, compute-bound) the layer widens the whole weight to fp32
+for that call and runs F.linear: MKL's GEMM is 10-30% faster there than the kernel, and the widening
+(a few ms per layer) is small beside it. ASCENDSERVE_BF16_WEIGHTS=0 keeps such layers in fp32.
 """
 
 import torch
@@ -46,6 +62,9 @@ from ascendserve.logger import init_logger
 logger = init_logger(__name__)
 
 ENV_VAR = "ASCENDSERVE_PACKED_LINEAR"
+BF16_ENV_VAR = "ASCENDSERVE_BF16_WEIGHTS"
+BF16_PANEL = 32  # output rows per panel of the bf16 pack (csrc/bf16_linear_cpu.cpp)
+BF16_KERNEL_MAX_ROWS = 256  # above, widen the weight for the call and use F.linear (see the docstring)
 PACK_ROWS = 64  # the m each weight is packed for
 MIN_PACKED_ROWS = 4  # below, F.linear (MKL's gemv) was as fast, or faster for K >= 1024
 MAX_PACKED_ROWS = 128  # above, F.linear was as fast or faster (prefill)
@@ -98,6 +117,46 @@ class PackedLinear(nn.Module):
                 f"packed_rows={MIN_PACKED_ROWS}..{self.max_rows}{padded}")
 
 
+class Bf16Linear(nn.Module):
+    """y = x @ W.T + b, fp32 in and out, with W held as bf16 panels (exact for a bf16-valued weight)."""
+
+    def __init__(self, linear: nn.Linear, kernels) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernels = kernels
+        self.register_buffer("packed", pack_bf16(linear.weight.detach()), persistent=False)
+        self.register_parameter("bias", linear.bias)
+
+    @staticmethod
+    def supports(linear: nn.Linear) -> bool:
+        """fp32 on CPU, in_features even, and every weight value exactly representable in bf16."""
+        weight = linear.weight
+        return (weight.dtype == torch.float32 and weight.device.type == "cpu" and linear.in_features % 2 == 0
+                and not (weight.detach().view(torch.int32) & 0xFFFF).any())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features).contiguous()
+        if x.shape[0] <= BF16_KERNEL_MAX_ROWS:
+            out = self.kernels.bf16_linear(x, self.packed, self.out_features, self.bias)
+        else:
+            out = F.linear(x, self.kernels.bf16_unpack(self.packed, self.out_features), self.bias)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"weight=bf16 (fp32 compute)"
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> [ceil(N/32), K/2, 32, 2] bf16: panels of 32 rows, each input pair of a row side by side."""
+    n, k = weight.shape
+    panels = -(-n // BF16_PANEL)
+    padded = torch.zeros(panels * BF16_PANEL, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    return padded.view(panels, BF16_PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
 def _pack_takes_any_rows(weight: torch.Tensor, pack: torch.Tensor) -> bool:
     """Whether MKL computes batches of other row counts right from a pack made for PACK_ROWS rows."""
     gen = torch.Generator().manual_seed(0)
@@ -111,28 +170,43 @@ def _pack_takes_any_rows(weight: torch.Tensor, pack: torch.Tensor) -> bool:
 
 
 def prepack_linears_(model: nn.Module) -> dict[str, int]:
-    """Replace the model's fp32 CPU nn.Linear layers by PackedLinear in place; returns counts and bytes.
+    """Replace the model's fp32 CPU nn.Linear layers in place; returns counts and bytes.
 
-    A no-op (returns zeros) when torch lacks MKL's packed GEMM, when ASCENDSERVE_PACKED_LINEAR=0,
-    or when no layer is fp32 on CPU. Call after the weights are loaded.
+    A layer whose weight is all bf16 values becomes a Bf16Linear (when the CPU kernels are built and
+    ASCENDSERVE_BF16_WEIGHTS is not 0); any other fp32 CPU layer a PackedLinear (when torch has MKL's
+    packed GEMM and ASCENDSERVE_PACKED_LINEAR is not 0). A no-op (zeros) where neither applies, e.g.
+    bf16 or non-CPU layers. Call after the weights are loaded.
     """
-    stats = {"packed": 0, "weight_bytes": 0, "pack_bytes": 0, "padded": 0}
-    if not packing_supported():
-        return stats
+    stats = {"packed": 0, "weight_bytes": 0, "pack_bytes": 0, "padded": 0, "bf16": 0, "bf16_bytes": 0}
+    bf16_allowed, mkl = env_switch(BF16_ENV_VAR) is not False, packing_supported()
+    kernels = None  # loaded at the first bf16-valued layer: a model without one never builds them here
     any_rows_by_shape: dict[tuple[int, int], bool] = {}
     with torch.no_grad():
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
-                if not isinstance(child, nn.Linear) or not PackedLinear.supports(child):
+                if not isinstance(child, nn.Linear):
                     continue
-                shape = tuple(child.weight.shape)
-                layer = PackedLinear(child, any_rows_by_shape.get(shape))
-                any_rows_by_shape[shape] = layer.any_rows
-                setattr(parent, name, layer)
-                stats["packed"] += 1
-                stats["padded"] += not layer.any_rows
-                stats["weight_bytes"] += child.weight.numel() * child.weight.element_size()
-                stats["pack_bytes"] += layer.pack_bytes()
+                use_bf16 = bf16_allowed and Bf16Linear.supports(child)
+                if use_bf16 and kernels is None:
+                    kernels = _cpu_kernels()
+                    bf16_allowed = use_bf16 = kernels is not None
+                if use_bf16:
+                    setattr(parent, name, Bf16Linear(child, kernels))
+                    stats["bf16"] += 1
+                    stats["bf16_bytes"] += child.weight.numel() * 2
+                elif mkl and PackedLinear.supports(child):
+                    shape = tuple(child.weight.shape)
+                    layer = PackedLinear(child, any_rows_by_shape.get(shape))
+                    any_rows_by_shape[shape] = layer.any_rows
+                    setattr(parent, name, layer)
+                    stats["packed"] += 1
+                    stats["padded"] += not layer.any_rows
+                    stats["weight_bytes"] += child.weight.numel() * child.weight.element_size()
+                    stats["pack_bytes"] += layer.pack_bytes()
+    if stats["bf16"]:
+        logger.info("%d fp32 linear layers hold bf16 values (a bf16 checkpoint): kept as bf16 (%.1f MiB, half "
+                    "the fp32 size) and multiplied in fp32 by the CPU kernel; %s=0 keeps them fp32",
+                    stats["bf16"], stats["bf16_bytes"] / 2**20, BF16_ENV_VAR)
     if stats["packed"]:
         rows = f"{MIN_PACKED_ROWS}..{MAX_PACKED_ROWS} rows" if not stats["padded"] else \
             f"{MIN_PACKED_ROWS}..{PACK_ROWS} rows padded to {PACK_ROWS} on {stats['padded']} layers (this MKL needs it)"
@@ -140,3 +214,9 @@ def prepack_linears_(model: nn.Module) -> dict[str, int]:
                     "more memory (%.1f MiB reserved); ASCENDSERVE_PACKED_LINEAR=0 turns this off",
                     stats["packed"], rows, stats["weight_bytes"] / 2**20, stats["pack_bytes"] / 2**20)
     return stats
+
+
+def _cpu_kernels():
+    """The CPU kernel namespace, None when they are turned off or did not build (cpu_kernels warns)."""
+    from ascendserve.layers import cpu_kernels
+    return cpu_kernels.ops()

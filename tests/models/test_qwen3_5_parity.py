@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding, apply_rotary_pos_emb
@@ -21,6 +22,7 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 from ascendserve import LLM, SamplingParams
 from ascendserve.config import EngineArgs
 from ascendserve.engine.llm_engine import LLMEngine
+from ascendserve.layers.linear import Bf16Linear, PackedLinear
 from ascendserve.layers.mrope import MRotaryEmbedding, interleaved_axis_of_slots
 from ascendserve.worker.kv_budget import KVCacheTooSmallError
 from ascendserve.worker.model_runner import build_state_metadata
@@ -52,8 +54,8 @@ def randomize_(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
 
 
 def build(kind: str):
-    """(transformers model, architecture name) of a tiny random checkpoint."""
-    if kind == "dense":
+    """The transformers model of a tiny random checkpoint (dense-bf16: dense with bf16-valued weights)."""
+    if kind in ("dense", "dense-bf16"):
         config = Qwen3_5TextConfig(**TEXT, intermediate_size=128, tie_word_embeddings=True)
         arch = "Qwen3_5ForCausalLM"
     elif kind == "moe":
@@ -70,6 +72,10 @@ def build(kind: str):
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize_(model, seed=1)
+    if kind == "dense-bf16":  # every value exactly bf16; the reference still computes in fp32
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.bfloat16().float())
     return model
 
 
@@ -82,7 +88,11 @@ def checkpoints(tmp_path_factory):
         if kind not in cache:
             model = build(kind)
             path = tmp_path_factory.mktemp(kind)
-            model.save_pretrained(path)
+            if kind == "dense-bf16":  # saved as bf16, like the released checkpoints
+                model.to(torch.bfloat16).save_pretrained(path)
+                model.float()
+            else:
+                model.save_pretrained(path)
             names = load_file(os.path.join(path, "model.safetensors")).keys()
             if kind == "vl":  # the real composite layout
                 assert any(n.startswith("model.language_model.layers.") for n in names)
@@ -118,6 +128,21 @@ def test_chunked_prefill(checkpoints, kind, budget, enforce_eager, monkeypatch):
                enforce_eager=enforce_eager)
     assert not llm.llm_engine.config.enable_prefix_caching
     assert not llm.llm_engine.kv_cache_manager.enable_caching
+    check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
+    _assert_clean(llm.llm_engine)
+
+
+@pytest.mark.parametrize("budget", [100, 1024])  # the kernel on every step; prefill steps above its row limit
+def test_bf16_checkpoint_runs_in_fp32_from_bf16_weights(checkpoints, budget):
+    # A bf16 checkpoint run in fp32 keeps its linear weights as bf16 (exact) and multiplies in fp32 with
+    # the CPU kernel: the same numbers as transformers' fp32 model of the bf16 values.
+    path, prompts, refs = checkpoints("dense-bf16")
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=budget)
+    model = llm.llm_engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, Bf16Linear, PackedLinear))]
+    assert linears and all(isinstance(m, Bf16Linear) for m in linears), {type(m).__name__ for m in linears}
     check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
     _assert_clean(llm.llm_engine)
 

@@ -1,0 +1,200 @@
+// y = x @ W.T + b with W stored as bf16 and everything else fp32, for CPUs without native bf16.
+//
+// A bf16 checkpoint run in fp32 (what `--dtype auto` does on a CPU without AMX / AVX512-BF16)
+// holds every weight as fp32: twice the bytes a decode step must stream, for values that are all
+// exactly bf16. Widening bf16 to fp32 is exact (the bf16 bits are the top half of the fp32 word), so
+// keeping the weight as bf16 and widening it in registers gives the fp32 product of the same numbers
+// from half the memory traffic. Accumulation is fp32; only the summation order differs from F.linear.
+//
+// Packed layout (ascendserve/layers/linear.py, pack_bf16): W [N, K] (K even, N padded with zero rows
+// to a multiple of 32) as panels of 32 output rows, [N/32][K/2][32][2] bf16: for input pair kp, the 32
+// rows' (W[n][2kp], W[n][2kp+1]) side by side. One 32-bit lane then holds both of a row's values;
+// `lane << 16` is W[n][2kp] as fp32 and `lane & 0xffff0000` is W[n][2kp+1], one instruction each.
+// The micro-kernel keeps a tile of up to 6 x-rows by 32 outputs in registers (separate even / odd
+// accumulators, 24 in all, for independent FMA chains), broadcasting x and streaming one panel
+// front to back, which the hardware prefetcher follows.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // output rows per panel
+constexpr int kMaxRows = 6;     // x rows per register tile
+constexpr int64_t kPrefetchPairs = 32;  // input pairs (128 bytes each) the AVX-512 tile prefetches ahead
+constexpr int64_t kChunkBytes = 256 << 10;  // x rows per pass over the weight: about this many bytes
+
+inline float bf16_bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Any CPU: the same tile in plain C++ (also the reference the AVX-512 path is tested against).
+void tile_portable(int rows, const float* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float* out,
+                   int64_t ldo, int64_t cols, const float* bias) {
+  float acc[kMaxRows][kPanel] = {};
+  for (int64_t kp = 0; kp < kpairs; ++kp) {
+    const uint32_t* lanes = panel + kp * kPanel;
+    for (int m = 0; m < rows; ++m) {
+      const float xe = x[m * ldx + 2 * kp], xo = x[m * ldx + 2 * kp + 1];
+      for (int64_t j = 0; j < kPanel; ++j)
+        acc[m][j] += xe * bf16_bits_to_float(lanes[j] << 16) + xo * bf16_bits_to_float(lanes[j] & 0xffff0000u);
+    }
+  }
+  for (int m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < cols; ++j) out[m * ldo + j] = acc[m][j] + (bias ? bias[j] : 0.f);
+}
+
+#if defined(__AVX512F__)
+template <int ROWS>
+void tile_avx512(const float* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float* out, int64_t ldo,
+                 int64_t cols, const float* bias) {
+  __m512 even[ROWS][2], odd[ROWS][2];
+  for (int m = 0; m < ROWS; ++m)
+    for (int h = 0; h < 2; ++h) even[m][h] = odd[m][h] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t kp = 0; kp < kpairs; ++kp) {
+    // 4 KiB ahead (the panel is contiguous, so past its end is the next panel; a prefetch never faults).
+    // Single-stream decode: 11-16 -> 17-19 GB/s on the Qwen3.5 shapes (benchmarks/probe_bf16_linear.py).
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kPrefetchPairs) * kPanel), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kPrefetchPairs) * kPanel + 16), _MM_HINT_T0);
+    const __m512i w0 = _mm512_loadu_si512(panel + kp * kPanel);
+    const __m512i w1 = _mm512_loadu_si512(panel + kp * kPanel + 16);
+    const __m512 we0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+    const __m512 wo0 = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
+    const __m512 we1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+    const __m512 wo1 = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512 xe = _mm512_set1_ps(x[m * ldx + 2 * kp]);
+      const __m512 xo = _mm512_set1_ps(x[m * ldx + 2 * kp + 1]);
+      even[m][0] = _mm512_fmadd_ps(xe, we0, even[m][0]);
+      odd[m][0] = _mm512_fmadd_ps(xo, wo0, odd[m][0]);
+      even[m][1] = _mm512_fmadd_ps(xe, we1, even[m][1]);
+      odd[m][1] = _mm512_fmadd_ps(xo, wo1, odd[m][1]);
+    }
+  }
+  const __mmask16 mask0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
+  for (int m = 0; m < ROWS; ++m) {
+    _mm512_mask_storeu_ps(out + m * ldo, mask0, _mm512_add_ps(_mm512_add_ps(even[m][0], odd[m][0]), b0));
+    _mm512_mask_storeu_ps(out + m * ldo + 16, mask1, _mm512_add_ps(_mm512_add_ps(even[m][1], odd[m][1]), b1));
+  }
+}
+
+void tile_fast(int rows, const float* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float* out, int64_t ldo,
+               int64_t cols, const float* bias) {
+  switch (rows) {
+    case 1: return tile_avx512<1>(x, ldx, panel, kpairs, out, ldo, cols, bias);
+    case 2: return tile_avx512<2>(x, ldx, panel, kpairs, out, ldo, cols, bias);
+    case 3: return tile_avx512<3>(x, ldx, panel, kpairs, out, ldo, cols, bias);
+    case 4: return tile_avx512<4>(x, ldx, panel, kpairs, out, ldo, cols, bias);
+    case 5: return tile_avx512<5>(x, ldx, panel, kpairs, out, ldo, cols, bias);
+    default: return tile_avx512<6>(x, ldx, panel, kpairs, out, ldo, cols, bias);
+  }
+}
+#else
+void tile_fast(int rows, const float* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float* out, int64_t ldo,
+               int64_t cols, const float* bias) {
+  tile_portable(rows, x, ldx, panel, kpairs, out, ldo, cols, bias);
+}
+#endif
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                  bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "bf16_linear: x must be a contiguous fp32 [M, K] tensor");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+              packed.size(2) == kPanel && packed.size(3) == 2, "bf16_linear: packed must be [N/32, K/2, 32, 2] bf16");
+  const int64_t m_rows = x.size(0), k = x.size(1), panels = packed.size(0), kpairs = packed.size(1);
+  TORCH_CHECK(k == 2 * kpairs, "bf16_linear: x has ", k, " columns, the weight ", 2 * kpairs);
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "bf16_linear: n=", n, " does not match ", panels,
+              " panels");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "bf16_linear: bias must be a contiguous fp32 [N] tensor");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({m_rows, n}, x.options());
+  if (m_rows == 0) return out;
+  const float* x_ptr = x.data_ptr<float>();
+  const uint32_t* w_ptr = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  float* out_ptr = out.data_ptr<float>();
+  // Threads split the panels; each walks its panels once per chunk of rows, a chunk's x slice staying
+  // in the core's L2 meanwhile (decode batches are one chunk), and a panel staying in L1/L2 while the
+  // chunk's blocks of 6 rows pass over it.
+  const int64_t chunk_rows = std::max<int64_t>(kMaxRows, kChunkBytes / (4 * k) / kMaxRows * kMaxRows);
+  const int64_t panel_stride = kpairs * kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
+    for (int64_t c0 = 0; c0 < m_rows; c0 += chunk_rows) {
+      const int64_t c1 = std::min(m_rows, c0 + chunk_rows);
+      for (int64_t p = p_begin; p < p_end; ++p) {
+        const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
+        const float* b = bias_ptr ? bias_ptr + p * kPanel : nullptr;
+        for (int64_t m0 = c0; m0 < c1; m0 += kMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, c1 - m0));
+          (portable ? tile_portable : tile_fast)(rows, x_ptr + m0 * k, k, w_ptr + p * panel_stride, kpairs,
+                                                 out_ptr + m0 * n + p * kPanel, n, cols, b);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+  return linear(x, packed, n, bias, false);
+}
+
+at::Tensor bf16_linear_portable(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                                const c10::optional<at::Tensor>& bias) {
+  return linear(x, packed, n, bias, true);
+}
+
+// The dense fp32 [N, K] weight back from the pack: prefill-sized batches multiply by it with MKL,
+// which is faster there than the tile above once the product is compute-bound.
+at::Tensor bf16_unpack(const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+              packed.size(2) == kPanel && packed.size(3) == 2, "bf16_unpack: packed must be [N/32, K/2, 32, 2] bf16");
+  const int64_t panels = packed.size(0), kpairs = packed.size(1), k = 2 * kpairs;
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "bf16_unpack: n=", n, " does not match ", panels,
+              " panels");
+  at::Tensor out = at::empty({n, k}, packed.options().dtype(at::kFloat));
+  const uint32_t* w_ptr = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  uint32_t* out_ptr = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const uint32_t* lanes = w_ptr + (row / kPanel) * kpairs * kPanel + row % kPanel;
+      uint32_t* dst = out_ptr + row * k;
+      for (int64_t kp = 0; kp < kpairs; ++kp) {
+        const uint32_t lane = lanes[kp * kPanel];
+        dst[2 * kp] = lane << 16;
+        dst[2 * kp + 1] = lane & 0xffff0000u;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
+  m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("bf16_linear_portable(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("bf16_unpack(Tensor packed, int n) -> Tensor");
+  m.impl("bf16_unpack", c10::DispatchKey::CPU, TORCH_FN(bf16_unpack));
+  m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
+  m.impl("bf16_linear_portable", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_portable));
+}

@@ -1,0 +1,119 @@
+"""Bf16Linear: bf16-stored weights multiplied in fp32 by the C++ kernel, against an fp64 F.linear."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ascendserve.layers import cpu_kernels
+from ascendserve.layers import linear as linear_mod
+from ascendserve.layers.linear import Bf16Linear, PackedLinear, pack_bf16, prepack_linears_
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    ops = cpu_kernels.ops()
+    assert ops is not None, "the CPU kernels did not build: see the warning above"
+    return ops
+
+
+def _bf16_valued_linear(k: int, n: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.bfloat16().float())
+    return layer
+
+
+def _assert_fp32_product(out: torch.Tensor, x: torch.Tensor, layer: nn.Linear) -> None:
+    bias = None if layer.bias is None else layer.bias.double()
+    ref = F.linear(x.double(), layer.weight.double(), bias)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    # fp32 accumulation of K products in another order: ~1e-6 relative to the output scale.
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), (x.shape, (out.double() - ref).abs().max())
+
+
+# (K, N): N below, at and between multiples of the 32-row panel; K small, SmolLM2's and Qwen3.5's.
+SHAPES = [(2, 1), (10, 37), (64, 64), (576, 96), (1024, 200)]
+# Rows around the 6-row register tile, the 256 KiB row chunk (64 rows at K=1024), and the kernel limit.
+ROWS = [1, 2, 5, 6, 7, 12, 13, 63, 64, 65, 130, 256, 257, 300]
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("op", ["bf16_linear", "bf16_linear_portable"])
+def test_kernel_is_the_fp32_product_of_the_bf16_weight(kernels, k, n, bias, op):
+    layer = _bf16_valued_linear(k, n, bias)
+    packed = pack_bf16(layer.weight.detach())
+    for rows in ROWS:
+        x = torch.randn(rows, k)
+        _assert_fp32_product(getattr(kernels, op)(x, packed, n, layer.bias), x, layer)
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_unpack_gives_back_the_exact_weight(kernels, k, n):
+    layer = _bf16_valued_linear(k, n, False)
+    assert torch.equal(kernels.bf16_unpack(pack_bf16(layer.weight.detach()), n), layer.weight)
+
+
+def test_layer_switches_to_unpack_and_f_linear_above_the_kernel_rows(kernels):
+    layer = _bf16_valued_linear(576, 96, True)
+    bf16 = Bf16Linear(layer, kernels)
+    for rows in (1, linear_mod.BF16_KERNEL_MAX_ROWS, linear_mod.BF16_KERNEL_MAX_ROWS + 1, 700):
+        x = torch.randn(rows, 576)
+        _assert_fp32_product(bf16(x), x, layer)
+    x = torch.randn(2, 3, 576)[:, ::2]  # leading dims flattened; a non-contiguous input is copied
+    _assert_fp32_product(bf16(x).reshape(-1, 96), x.reshape(-1, 576), layer)
+    assert bf16.packed.dtype == torch.bfloat16 and bf16.packed.numel() * 2 == 576 * 96 * 2
+
+
+def test_kernel_rejects_mismatched_inputs(kernels):
+    packed = pack_bf16(_bf16_valued_linear(64, 40, False).weight.detach())
+    with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+        kernels.bf16_linear(torch.randn(3, 32), packed, 40, None)
+    with pytest.raises(RuntimeError, match="n=70 does not match 2 panels"):
+        kernels.bf16_linear(torch.randn(3, 64), packed, 70, None)
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        kernels.bf16_linear(torch.randn(3, 64, dtype=torch.float64), packed, 40, None)
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(100, 32)
+        self.proj = nn.Linear(32, 32)  # bf16 values
+        self.odd = nn.Linear(31, 32)  # bf16 values, odd in_features: the kernel takes pairs
+        self.fp32 = nn.Linear(32, 32)  # fp32 values
+        self.lm_head = nn.Linear(32, 100, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+        with torch.no_grad():
+            for module in (self.embed_tokens, self.proj, self.odd):
+                module.weight.copy_(module.weight.bfloat16().float())
+
+
+def test_prepack_keeps_bf16_valued_weights_as_bf16(kernels, caplog):
+    model = _TiedLM()
+    embedding = model.embed_tokens.weight.detach().clone()
+    with caplog.at_level(logging.INFO):
+        stats = prepack_linears_(model)
+    assert isinstance(model.proj, Bf16Linear) and isinstance(model.lm_head, Bf16Linear)
+    expected_fp32 = PackedLinear if linear_mod.packing_supported() else nn.Linear
+    assert type(model.odd) is expected_fp32 and type(model.fp32) is expected_fp32
+    assert stats["bf16"] == 2 and stats["bf16_bytes"] == (32 * 32 + 100 * 32) * 2
+    assert "2 fp32 linear layers hold bf16 values" in caplog.text and linear_mod.BF16_ENV_VAR in caplog.text
+    assert torch.equal(model.embed_tokens.weight, embedding)  # the embedding keeps its fp32 tensor
+    x = torch.randn(5, 32)
+    reference = nn.Linear(32, 100, bias=False)
+    reference.weight = nn.Parameter(embedding)
+    _assert_fp32_product(model.lm_head(x), x, reference)
+
+
+@pytest.mark.parametrize("env", [linear_mod.BF16_ENV_VAR, "ASCENDSERVE_CPU_KERNELS"])
+def test_bf16_weights_stay_fp32_when_turned_off(monkeypatch, env):
+    monkeypatch.setenv(env, "0")
+    monkeypatch.delitem(cpu_kernels._state, "ops", raising=False)  # loaded again, under the switch
+    model = _TiedLM()
+    assert prepack_linears_(model)["bf16"] == 0
+    assert not any(isinstance(m, Bf16Linear) for m in model.modules())
