@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -35,6 +36,7 @@ ENGINES = ("ascendserve", "vllm", "llamacpp", "transformers")
 ENGINE_NAMES = {"ascendserve": "ascendserve", "vllm": "vLLM", "llamacpp": "llama.cpp", "transformers": "transformers"}
 MODELS = ("demo", "qwen35")
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
+ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")  # a leading NAME=value in --ascendserve-args
 # `transformers serve` answers 422 to `ignore_eos` (not an OpenAI field) but takes a `generation_config`
 # JSON string per request; eos_token_id -1 there disables EOS, with and without continuous batching.
 TRANSFORMERS_NO_EOS = ["--extra-body", json.dumps({"generation_config": json.dumps({"eos_token_id": -1})})]
@@ -62,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ascendserve-args", action="append", default=None,
                    help="extra `ascendserve serve` flags, e.g. '--dtype bfloat16'; repeat it to run one "
                         "configuration per value ('' = the defaults); a 'C=1,8:' prefix runs it at those "
-                        "levels only, e.g. --ascendserve-args '' --ascendserve-args 'C=1:--quantization int4'")
+                        "levels only, and NAME=value words set the server's environment, e.g. --ascendserve-args '' "
+                        "--ascendserve-args 'C=1:--quantization int4' --ascendserve-args 'ASCENDSERVE_BF16_WEIGHTS=0'")
     p.add_argument("--transformers-dtype", default=None,
                    help="default: bfloat16 on CPUs with AMX or AVX512-BF16, else float32")
     p.add_argument("--run-timeout", type=float, default=3600, help="seconds for one `bench serve` run")
@@ -268,16 +271,30 @@ def _ascendserve(ns, model: Model, params: int, fast_bf16: bool, ctx: int, extra
     if extra.startswith("C="):
         spec, extra = extra.split(":", 1)
         levels = [int(c) for c in spec[2:].split(",")]
-    flags = shlex.split(extra)
+    tokens = shlex.split(extra)
+    env = dict(t.split("=", 1) for t in tokens if ENV_ASSIGNMENT.match(t))  # leading NAME=value, as in a shell
+    flags = [t for t in tokens if not ENV_ASSIGNMENT.match(t)]
     weights, nbytes = dtype, params * BYTES_PER_PARAM[dtype]
     if "--quantization" in flags:  # weight-only: 1 byte (int8) or half a byte (int4) per weight, scales aside
         weights = flags[flags.index("--quantization") + 1]
         nbytes = params * {"int8": 1, "int4": 0.5}[weights]
+    elif dtype == "float32" and _checkpoint_dtype(model.ascendserve_path) == "bfloat16" \
+            and env.get("ASCENDSERVE_BF16_WEIGHTS", "1").lower() not in ("0", "off", "false", "no"):
+        weights, nbytes = "bf16 weights, fp32 compute", params * 2  # layers/linear.py Bf16Linear
     argv = [Path(sys.executable).with_name("ascendserve"), "serve", model.ascendserve_path, "--served-model-name",
             model.name, "--host", "127.0.0.1", "--max-model-len", ctx, "--seed", ns.seed, *flags]
-    return Config("ascendserve", " ".join(["ascendserve", *flags]), lambda port, c: ServerSpec(
-        argv + ["--port", port], model.name, {"OMP_NUM_THREADS": str(ns.threads)}, 600),
+    return Config("ascendserve", " ".join(["ascendserve", *tokens]), lambda port, c: ServerSpec(
+        argv + ["--port", port], model.name, {"OMP_NUM_THREADS": str(ns.threads), **env}, 600),
         weights, int(nbytes), levels=levels)
+
+
+def _checkpoint_dtype(path: Path) -> str | None:
+    """The dtype an HF directory's config.json declares (None for a GGUF file)."""
+    if not path.is_dir():
+        return None
+    config = json.loads((path / "config.json").read_text())
+    config = config.get("text_config", config)
+    return config.get("dtype") or config.get("torch_dtype")
 
 
 def _vllm(ns, model: Model, params: int, venv: Path, ctx: int, notes: list[str]) -> list[Config]:

@@ -1,4 +1,4 @@
-"""fp32 linear layers for CPU decode: an MKL pre-packed weight, or a bf16-stored one (Bf16Linear, below).
+"""fp32 linear layers for CPU decode: an MKL pre-packed weight, or a bf16 / 4-bit stored one (Bf16Linear, Q4Linear).
 
 MKL's sgemm copies the weight into its internal panel layout on every call; at decode batch sizes
 that copy dominates and F.linear streams weights at only 4-10 GB/s. `cblas_sgemm_pack` does it once
@@ -49,7 +49,15 @@ ms per call, fp32 F.linear / MKL pack / this kernel:
       SmolLM2 49152x576        5.60/5.72/3.34    21.7/7.41/5.38    27.0/18.7/23.2    109/-/117
 Above BF16_KERNEL_MAX_ROWS (prefill chunks, compute-bound) the layer widens the whole weight to fp32
 for that call and runs F.linear: MKL's GEMM is 10-30% faster there than the kernel, and the widening
-(a few ms per layer) is small beside it. ASCENDSERVE_BF16_WEIGHTS=0 keeps such layers in fp32.
+(a few ms per layer) is small beside it. ASCENDSERVE_COMPACT_WEIGHTS=0 keeps such layers in fp32.
+
+4-bit grid, fp32 compute (Q4Linear): a Q4_0 / Q4_1 GGUF (the demo model is Q4_1) is dequantized at load
+to fp32 values that are, per block of 32 inputs of a row, m + d * q with q in 0..15. find_q4_grid finds
+d, m and q from the values (and checks every value is reproduced; in practice bit for bit), and the
+layer keeps q as half a byte plus d and m per block: an eighth of the fp32 bytes. The kernel
+(csrc/q4_linear_cpu.cpp) computes d * sum(x q) + m * sum(x) per block in fp32: the weights' own
+products, regrouped. It wins only for a few rows (it spends its time widening nibbles), so the layer
+keeps its fp32 (MKL-packed) form for larger batches and holds the 4-bit copy beside it.
 """
 
 import torch
@@ -62,9 +70,11 @@ from ascendserve.logger import init_logger
 logger = init_logger(__name__)
 
 ENV_VAR = "ASCENDSERVE_PACKED_LINEAR"
-BF16_ENV_VAR = "ASCENDSERVE_BF16_WEIGHTS"
-BF16_PANEL = 32  # output rows per panel of the bf16 pack (csrc/bf16_linear_cpu.cpp)
+COMPACT_ENV_VAR = "ASCENDSERVE_COMPACT_WEIGHTS"  # 0: bf16- and 4-bit-valued weights stay fp32
+PANEL_ROWS = 32  # output rows per panel of the bf16 and 4-bit packs (csrc/*_linear_cpu.cpp)
 BF16_KERNEL_MAX_ROWS = 256  # above, widen the weight for the call and use F.linear (see the docstring)
+Q4_GROUP = 32  # inputs per (d, m) block of the 4-bit grid (csrc/q4_linear_cpu.cpp), GGUF's block size
+Q4_KERNEL_MAX_ROWS = 6  # above, the fp32 layer (MKL); one register tile of the kernel
 PACK_ROWS = 64  # the m each weight is packed for
 MIN_PACKED_ROWS = 4  # below, F.linear (MKL's gemv) was as fast, or faster for K >= 1024
 MAX_PACKED_ROWS = 128  # above, F.linear was as fast or faster (prefill)
@@ -117,15 +127,45 @@ class PackedLinear(nn.Module):
                 f"packed_rows={MIN_PACKED_ROWS}..{self.max_rows}{padded}")
 
 
-class Bf16Linear(nn.Module):
-    """y = x @ W.T + b, fp32 in and out, with W held as bf16 panels (exact for a bf16-valued weight)."""
+class _KernelLinear(nn.Module):
+    """A linear with a CPU kernel for batches of up to max_rows rows and another path above."""
 
-    def __init__(self, linear: nn.Linear, kernels) -> None:
+    max_rows = 0  # the kernel up to this many rows
+    weight_format = ""  # for extra_repr
+
+    def __init__(self, linear: nn.Module, kernels) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels = kernels
-        self.register_buffer("packed", pack_bf16(linear.weight.detach()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features).contiguous()
+        out = self._kernel(x) if x.shape[0] <= self.max_rows else self._large(x)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] above max_rows."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"weight={self.weight_format} (fp32 compute)"
+
+
+class Bf16Linear(_KernelLinear):
+    """y = x @ W.T + b, fp32 in and out, with W held as bf16 panels (exact for a bf16-valued weight)."""
+
+    max_rows = BF16_KERNEL_MAX_ROWS
+    weight_format = "bf16"
+
+    def __init__(self, linear: nn.Linear, kernels) -> None:
+        super().__init__(linear, kernels)
         self.register_parameter("bias", linear.bias)
+        self.register_buffer("packed", pack_bf16(linear.weight.detach()), persistent=False)
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
@@ -134,27 +174,101 @@ class Bf16Linear(nn.Module):
         return (weight.dtype == torch.float32 and weight.device.type == "cpu" and linear.in_features % 2 == 0
                 and not (weight.detach().view(torch.int32) & 0xFFFF).any())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.in_features).contiguous()
-        if x.shape[0] <= BF16_KERNEL_MAX_ROWS:
-            out = self.kernels.bf16_linear(x, self.packed, self.out_features, self.bias)
-        else:
-            out = F.linear(x, self.kernels.bf16_unpack(self.packed, self.out_features), self.bias)
-        return out.reshape(*shape[:-1], self.out_features)
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.bf16_linear(x, self.packed, self.out_features, self.bias)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               f"weight=bf16 (fp32 compute)"
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
+        # Compute-bound: MKL's GEMM on the weight widened for this call beats the kernel there.
+        return F.linear(x, self.kernels.bf16_unpack(self.packed, self.out_features), self.bias)
+
+
+class Q4Linear(_KernelLinear):
+    """The 4-bit copy (W = d * q + m per 32 inputs) of an fp32 layer, for batches of up to max_rows rows.
+
+    Larger batches run the fp32 layer it wraps (`dense`: a PackedLinear, or the nn.Linear): there
+    MKL's GEMM on fp32 beats the 4-bit kernel, which spends its time widening nibbles (measured on
+    SmolLM2's shapes: the 4-bit kernel 2x faster at 1 row, even at 8, 1.3-1.5x slower from 16 on).
+    So the fp32 weight stays; the 4-bit copy adds an eighth of it (plus d and m) and cuts the bytes
+    small batches read by 5x.
+    """
+
+    max_rows = Q4_KERNEL_MAX_ROWS
+    weight_format = f"4-bit grid per {Q4_GROUP} inputs up to {Q4_KERNEL_MAX_ROWS} rows, fp32 above"
+
+    def __init__(self, dense: nn.Module, grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kernels) -> None:
+        super().__init__(dense, kernels)
+        self.dense = dense
+        q, scales, mins = pack_q4(*grid)
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("mins", mins, persistent=False)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.dense.bias
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q4_linear(x, self.q, self.scales, self.mins, self.out_features, self.bias)
+
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(x)
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] -> [ceil(N/32), K/2, 32, 2] bf16: panels of 32 rows, each input pair of a row side by side."""
     n, k = weight.shape
-    panels = -(-n // BF16_PANEL)
-    padded = torch.zeros(panels * BF16_PANEL, k, dtype=torch.bfloat16)
+    panels = -(-n // PANEL_ROWS)
+    padded = torch.zeros(panels * PANEL_ROWS, k, dtype=torch.bfloat16)
     padded[:n] = weight
-    return padded.view(panels, BF16_PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.view(panels, PANEL_ROWS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def find_q4_grid(weight: torch.Tensor, rows_per_pass: int = 4096):
+    """(q uint8 [N, K], d [N, K/32], m [N, K/32]) with weight == d * q + m blockwise, else None.
+
+    A dequantized Q4_1 block is m + d * q with m its minimum and d = (max - min) / 15; a Q4_0 block is
+    d * (q - 8), i.e. m = -8 d = its largest-magnitude value. Both candidates are tried per block; a
+    block fits when every value is reproduced to 2^-20 of the block's largest magnitude (in practice
+    exactly). One block that fits neither and the layer stays as it is.
+    """
+    n, k = weight.shape
+    if k % Q4_GROUP:
+        return None
+    qs, ds, ms = [], [], []
+    for start in range(0, n, rows_per_pass):
+        blocks = weight[start:start + rows_per_pass].reshape(-1, k // Q4_GROUP, Q4_GROUP)
+        lo, hi = blocks.amin(-1), blocks.amax(-1)
+        extreme = torch.where(lo.abs() >= hi.abs(), lo, hi)
+        fits_q41, q41, d41, m41 = _fit_grid(blocks, (hi - lo) / 15, lo)  # Q4_1: m = the minimum
+        fits_q40, q40, d40, m40 = _fit_grid(blocks, -extreme / 8, extreme)  # Q4_0: m = -8 d
+        if not bool((fits_q41 | fits_q40).all()):
+            return None
+        q, d, m = torch.where(fits_q41[..., None], q41, q40), torch.where(fits_q41, d41, d40), torch.where(fits_q41, m41, m40)
+        qs.append(q.to(torch.uint8).reshape(-1, k))
+        ds.append(d)
+        ms.append(m)
+    return torch.cat(qs), torch.cat(ds), torch.cat(ms)
+
+
+def _fit_grid(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    """(fits per block, q, d, m): q = round((w - m) / d) in 0..15, and whether d * q + m gives every w back."""
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = ((blocks - m[..., None]) / safe[..., None]).round_().clamp_(0, 15)
+    tol = blocks.abs().amax(-1) * 2.0 ** -20
+    return (q * d[..., None] + m[..., None] - blocks).abs().amax(-1) <= tol, q, d, m
+
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    """(q [N/32, K/2, 32] uint8: byte = q[n, 2i] | q[n, 2i+1] << 4; d and m [N/32, K/32, 32] fp32), N padded."""
+    n, k = q.shape
+    panels = -(-n // PANEL_ROWS)
+    pad = panels * PANEL_ROWS - n
+    q = F.pad(q, (0, 0, 0, pad))
+    pairs = (q[:, 0::2] | (q[:, 1::2] << 4)).view(panels, PANEL_ROWS, k // 2).transpose(1, 2).contiguous()
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t.float(), (0, 0, 0, pad)).view(panels, PANEL_ROWS, -1).transpose(1, 2).contiguous()
+    return pairs, lanes(d), lanes(m)
 
 
 def _pack_takes_any_rows(weight: torch.Tensor, pack: torch.Tensor) -> bool:
@@ -172,41 +286,52 @@ def _pack_takes_any_rows(weight: torch.Tensor, pack: torch.Tensor) -> bool:
 def prepack_linears_(model: nn.Module) -> dict[str, int]:
     """Replace the model's fp32 CPU nn.Linear layers in place; returns counts and bytes.
 
-    A layer whose weight is all bf16 values becomes a Bf16Linear (when the CPU kernels are built and
-    ASCENDSERVE_BF16_WEIGHTS is not 0); any other fp32 CPU layer a PackedLinear (when torch has MKL's
-    packed GEMM and ASCENDSERVE_PACKED_LINEAR is not 0). A no-op (zeros) where neither applies, e.g.
-    bf16 or non-CPU layers. Call after the weights are loaded.
+    All bf16 values -> Bf16Linear. Else PackedLinear (MKL's packed GEMM, unless
+    ASCENDSERVE_PACKED_LINEAR=0), wrapped in a Q4Linear for small batches when the values are a 4-bit
+    grid per 32 inputs (a dequantized Q4_0 / Q4_1 GGUF). Bf16Linear and Q4Linear need the CPU kernels
+    and ASCENDSERVE_COMPACT_WEIGHTS not 0. A no-op (zeros) where none applies, e.g. bf16 or non-CPU
+    layers. Call after the weights are loaded.
     """
-    stats = {"packed": 0, "weight_bytes": 0, "pack_bytes": 0, "padded": 0, "bf16": 0, "bf16_bytes": 0}
-    bf16_allowed, mkl = env_switch(BF16_ENV_VAR) is not False, packing_supported()
-    kernels = None  # loaded at the first bf16-valued layer: a model without one never builds them here
+    stats = {"packed": 0, "weight_bytes": 0, "pack_bytes": 0, "padded": 0, "bf16": 0, "bf16_bytes": 0,
+             "q4": 0, "q4_bytes": 0}
+    compact, mkl = env_switch(COMPACT_ENV_VAR) is not False, packing_supported()
     any_rows_by_shape: dict[tuple[int, int], bool] = {}
     with torch.no_grad():
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
-                if not isinstance(child, nn.Linear):
+                if not isinstance(child, nn.Linear) or not PackedLinear.supports(child):
                     continue
-                use_bf16 = bf16_allowed and Bf16Linear.supports(child)
-                if use_bf16 and kernels is None:
-                    kernels = _cpu_kernels()
-                    bf16_allowed = use_bf16 = kernels is not None
-                if use_bf16:
-                    setattr(parent, name, Bf16Linear(child, kernels))
+                if compact and Bf16Linear.supports(child) and (kernels := _cpu_kernels()) is not None:
+                    layer = Bf16Linear(child, kernels)
                     stats["bf16"] += 1
-                    stats["bf16_bytes"] += child.weight.numel() * 2
-                elif mkl and PackedLinear.supports(child):
+                    stats["bf16_bytes"] += layer.packed.numel() * 2
+                    setattr(parent, name, layer)
+                    continue
+                layer = child
+                if mkl:
                     shape = tuple(child.weight.shape)
                     layer = PackedLinear(child, any_rows_by_shape.get(shape))
                     any_rows_by_shape[shape] = layer.any_rows
-                    setattr(parent, name, layer)
                     stats["packed"] += 1
                     stats["padded"] += not layer.any_rows
                     stats["weight_bytes"] += child.weight.numel() * child.weight.element_size()
                     stats["pack_bytes"] += layer.pack_bytes()
+                grid = find_q4_grid(child.weight.detach()) if compact else None
+                if grid is not None and (kernels := _cpu_kernels()) is not None:
+                    layer = Q4Linear(layer, grid, kernels)
+                    stats["q4"] += 1
+                    stats["q4_bytes"] += sum(t.numel() * t.element_size() for t in (layer.q, layer.scales, layer.mins))
+                if layer is not child:
+                    setattr(parent, name, layer)
     if stats["bf16"]:
         logger.info("%d fp32 linear layers hold bf16 values (a bf16 checkpoint): kept as bf16 (%.1f MiB, half "
                     "the fp32 size) and multiplied in fp32 by the CPU kernel; %s=0 keeps them fp32",
-                    stats["bf16"], stats["bf16_bytes"] / 2**20, BF16_ENV_VAR)
+                    stats["bf16"], stats["bf16_bytes"] / 2**20, COMPACT_ENV_VAR)
+    if stats["q4"]:
+        logger.info("%d fp32 linear layers hold a 4-bit grid per %d inputs (a Q4_0 / Q4_1 GGUF): also kept as "
+                    "4-bit (%.1f MiB more) for batches of up to %d rows, multiplied in fp32 by the CPU kernel; "
+                    "%s=0 turns this off", stats["q4"], Q4_GROUP, stats["q4_bytes"] / 2**20, Q4_KERNEL_MAX_ROWS,
+                    COMPACT_ENV_VAR)
     if stats["packed"]:
         rows = f"{MIN_PACKED_ROWS}..{MAX_PACKED_ROWS} rows" if not stats["padded"] else \
             f"{MIN_PACKED_ROWS}..{PACK_ROWS} rows padded to {PACK_ROWS} on {stats['padded']} layers (this MKL needs it)"

@@ -25,6 +25,11 @@ def test_demo_greedy_matches_transformers(demo_path):
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     ours = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    # The Q4_1 layers run from their 4-bit grid (the kernel in decode, the dequantized weight in prefill).
+    model = llm.llm_engine.runner.model
+    kinds = {type(m).__name__ for name, m in model.named_modules()
+             if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))}
+    assert kinds == {"Q4Linear"}
 
     directory, name = os.path.split(demo_path)
     ref_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()

@@ -1,0 +1,200 @@
+// y = x @ W.T + b with W stored as 4-bit values on a per-32-input grid, W = d * q + m (fp32 compute).
+//
+// A Q4_0 / Q4_1 GGUF (the demo model) is dequantized at load to fp32 weights that are exactly such
+// a grid: every block of 32 inputs of a row holds m + d * q with q in 0..15 (Q4_1: m = the block's
+// minimum; Q4_0: m = -8 d). Keeping q (half a byte) and the block's d and m instead of the fp32
+// values is the same weight in an eighth of the bytes. The product is computed as
+//     y[n] = sum over blocks g of ( d[n,g] * sum_{k in g} x[k] q[n,k]  +  m[n,g] * sum_{k in g} x[k] )
+// in fp32: the weights' own products, regrouped (a different rounding order, as any GEMM's).
+//
+// Packed layout (ascendserve/layers/linear.py, pack_q4): rows in panels of 32 (N padded with zero
+// rows), [N/32][K/2][32] bytes: for input pair kp, byte j = q[n][2kp] | q[n][2kp+1] << 4 for the
+// panel's row j; scales and mins [N/32][K/32][32] fp32. The micro-kernel is the bf16 one's (up to 6
+// x-rows by 32 outputs in registers, x broadcast, one panel streamed front to back), with a block
+// accumulator folded into the output at the end of each block of 32 inputs.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 32;   // output rows per panel
+constexpr int64_t kGroup = 32;   // inputs per (d, m) block
+constexpr int kMaxRows = 6;      // x rows per register tile
+constexpr int64_t kPrefetchPairs = 64;  // input pairs (32 bytes each) prefetched ahead
+constexpr int64_t kChunkBytes = 256 << 10;  // x rows per pass over the weight: about this many bytes
+
+struct Q4Panel {
+  const uint8_t* q;      // [K/2][32]
+  const float* scales;   // [K/32][32]
+  const float* mins;     // [K/32][32]
+};
+
+// Any CPU: the same tile in plain C++ (also the reference the AVX-512 path is tested against).
+void tile_portable(int rows, const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w,
+                   float* out, int64_t ldo, int64_t cols, const float* bias) {
+  float acc[kMaxRows][kPanel] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    float block[kMaxRows][kPanel] = {};
+    for (int64_t kp = g * kGroup / 2; kp < (g + 1) * kGroup / 2; ++kp) {
+      const uint8_t* bytes = w.q + kp * kPanel;
+      for (int m = 0; m < rows; ++m) {
+        const float xe = x[m * ldx + 2 * kp], xo = x[m * ldx + 2 * kp + 1];
+        for (int64_t j = 0; j < kPanel; ++j)
+          block[m][j] += xe * static_cast<float>(bytes[j] & 15) + xo * static_cast<float>(bytes[j] >> 4);
+      }
+    }
+    const float* d = w.scales + g * kPanel;
+    const float* mn = w.mins + g * kPanel;
+    for (int m = 0; m < rows; ++m)
+      for (int64_t j = 0; j < kPanel; ++j) acc[m][j] += d[j] * block[m][j] + mn[j] * xsum[m * groups + g];
+  }
+  for (int m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < cols; ++j) out[m * ldo + j] = acc[m][j] + (bias ? bias[j] : 0.f);
+}
+
+#if defined(__AVX512F__)
+template <int ROWS>
+void tile_avx512(const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w, float* out,
+                 int64_t ldo, int64_t cols, const float* bias) {
+  __m512 acc[ROWS][2];
+  for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(15);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 block[ROWS][2];
+    for (int m = 0; m < ROWS; ++m) block[m][0] = block[m][1] = _mm512_setzero_ps();
+    for (int64_t kp = g * kGroup / 2; kp < (g + 1) * kGroup / 2; ++kp) {
+      const uint8_t* bytes = w.q + kp * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchPairs * kPanel), _MM_HINT_T0);
+      const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+      const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16)));
+      const __m512 qe0 = _mm512_cvtepi32_ps(_mm512_and_si512(b0, low));
+      const __m512 qo0 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4));
+      const __m512 qe1 = _mm512_cvtepi32_ps(_mm512_and_si512(b1, low));
+      const __m512 qo1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4));
+      for (int m = 0; m < ROWS; ++m) {
+        const __m512 xe = _mm512_set1_ps(x[m * ldx + 2 * kp]);
+        const __m512 xo = _mm512_set1_ps(x[m * ldx + 2 * kp + 1]);
+        block[m][0] = _mm512_fmadd_ps(xe, qe0, block[m][0]);
+        block[m][1] = _mm512_fmadd_ps(xe, qe1, block[m][1]);
+        block[m][0] = _mm512_fmadd_ps(xo, qo0, block[m][0]);
+        block[m][1] = _mm512_fmadd_ps(xo, qo1, block[m][1]);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(w.scales + g * kPanel), d1 = _mm512_loadu_ps(w.scales + g * kPanel + 16);
+    const __m512 m0 = _mm512_loadu_ps(w.mins + g * kPanel), m1 = _mm512_loadu_ps(w.mins + g * kPanel + 16);
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512 s = _mm512_set1_ps(xsum[m * groups + g]);
+      acc[m][0] = _mm512_fmadd_ps(d0, block[m][0], _mm512_fmadd_ps(m0, s, acc[m][0]));
+      acc[m][1] = _mm512_fmadd_ps(d1, block[m][1], _mm512_fmadd_ps(m1, s, acc[m][1]));
+    }
+  }
+  const __mmask16 mask0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 bias0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
+  const __m512 bias1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
+  for (int m = 0; m < ROWS; ++m) {
+    _mm512_mask_storeu_ps(out + m * ldo, mask0, _mm512_add_ps(acc[m][0], bias0));
+    _mm512_mask_storeu_ps(out + m * ldo + 16, mask1, _mm512_add_ps(acc[m][1], bias1));
+  }
+}
+
+void tile_fast(int rows, const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w,
+               float* out, int64_t ldo, int64_t cols, const float* bias) {
+  switch (rows) {
+    case 1: return tile_avx512<1>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
+    case 2: return tile_avx512<2>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
+    case 3: return tile_avx512<3>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
+    case 4: return tile_avx512<4>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
+    case 5: return tile_avx512<5>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
+    default: return tile_avx512<6>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
+  }
+}
+#else
+void tile_fast(int rows, const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w,
+               float* out, int64_t ldo, int64_t cols, const float* bias) {
+  tile_portable(rows, x, xsum, ldx, groups, w, out, ldo, cols, bias);
+}
+#endif
+
+void check_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins, int64_t n, const char* op) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(2) == kPanel, op,
+              ": q must be [N/32, K/2, 32] uint8");
+  const int64_t panels = q.size(0), groups = q.size(1) * 2 / kGroup;
+  TORCH_CHECK(q.size(1) * 2 % kGroup == 0, op, ": K must be a multiple of ", kGroup);
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == panels &&
+                t->size(1) == groups && t->size(2) == kPanel, op, ": scales and mins must be [N/32, K/32, 32] fp32");
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, op, ": n=", n, " does not match ", panels, " panels");
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
+                  int64_t n, const c10::optional<at::Tensor>& bias, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "q4_linear: x must be a contiguous fp32 [M, K] tensor");
+  check_pack(q, scales, mins, n, "q4_linear");
+  const int64_t m_rows = x.size(0), k = x.size(1), panels = q.size(0), groups = k / kGroup;
+  TORCH_CHECK(k == 2 * q.size(1), "q4_linear: x has ", k, " columns, the weight ", 2 * q.size(1));
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "q4_linear: bias must be a contiguous fp32 [N] tensor");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({m_rows, n}, x.options());
+  if (m_rows == 0) return out;
+  // Each row's sum over each block of 32 inputs (the mins' factor), once per call.
+  at::Tensor xsum = x.view({m_rows, groups, kGroup}).sum(-1).contiguous();
+  const float* x_ptr = x.data_ptr<float>();
+  const float* xsum_ptr = xsum.data_ptr<float>();
+  const uint8_t* q_ptr = q.data_ptr<uint8_t>();
+  const float* d_ptr = scales.data_ptr<float>();
+  const float* m_ptr = mins.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  const int64_t chunk_rows = std::max<int64_t>(kMaxRows, kChunkBytes / (4 * k) / kMaxRows * kMaxRows);
+  // Threads split the panels, as in bf16_linear_cpu.cpp.
+  at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
+    for (int64_t c0 = 0; c0 < m_rows; c0 += chunk_rows) {
+      const int64_t c1 = std::min(m_rows, c0 + chunk_rows);
+      for (int64_t p = p_begin; p < p_end; ++p) {
+        const Q4Panel w{q_ptr + p * (k / 2) * kPanel, d_ptr + p * groups * kPanel, m_ptr + p * groups * kPanel};
+        const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
+        const float* b = bias_ptr ? bias_ptr + p * kPanel : nullptr;
+        for (int64_t m0 = c0; m0 < c1; m0 += kMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, c1 - m0));
+          (portable ? tile_portable : tile_fast)(rows, x_ptr + m0 * k, xsum_ptr + m0 * groups, k, groups, w,
+                                                 out_ptr + m0 * n + p * kPanel, n, cols, b);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
+                     int64_t n, const c10::optional<at::Tensor>& bias) {
+  return linear(x, q, scales, mins, n, bias, false);
+}
+
+at::Tensor q4_linear_portable(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                              const at::Tensor& mins, int64_t n, const c10::optional<at::Tensor>& bias) {
+  return linear(x, q, scales, mins, n, bias, true);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
+  m.def("q4_linear(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
+  m.def("q4_linear_portable(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
+  m.impl("q4_linear", c10::DispatchKey::CPU, TORCH_FN(q4_linear));
+  m.impl("q4_linear_portable", c10::DispatchKey::CPU, TORCH_FN(q4_linear_portable));
+}
