@@ -127,6 +127,41 @@ def install_vllm(work: WorkDir) -> Path:
     return _install_once(venv, spec, log, install)
 
 
+def _guard_torchvision(venv: Path) -> None:
+    """Let PyPI's CUDA torchvision import on the CPU torch (vLLM's Qwen3.5 imports torchvision.transforms).
+
+    Its `_meta_registrations` registers meta kernels for CUDA ops that never loaded, which raises
+    `RuntimeError: operator torchvision::nms does not exist`; the transforms do not need those ops.
+    """
+    init = next(venv.glob("lib/python*/site-packages/torchvision/__init__.py"), None)
+    if init is None:
+        raise PeerError(f"{venv}: torchvision is not installed; vLLM's Qwen3.5 path imports it")
+    text = init.read_text()
+    if TORCHVISION_GUARD in text:
+        return
+    # torchvision 0.28: `from torchvision import (\n    _autograd_registrations,\n    _meta_registrations,\n ...)`
+    match = re.search(r"^from torchvision import \(([^)]*)\)[^\n]*$", text, re.MULTILINE)
+    names = [n.strip() for n in match.group(1).split(",") if n.strip()] if match else []
+    if "_meta_registrations" not in names:
+        raise PeerError(f"{init}: no `from torchvision import (..._meta_registrations...)` to guard; "
+                        "the torchvision workaround needs updating")
+    registrations = [n for n in names if n.endswith("_registrations")]
+    others = [n for n in names if n not in registrations]
+    guarded = (f"{TORCHVISION_GUARD}\ntry:\n    from torchvision import {', '.join(registrations)}\n"
+               f"except RuntimeError:\n    pass\nfrom torchvision import {', '.join(others)}")
+    text, old = text.replace(match.group(0), guarded, 1), text
+    init.with_suffix(".py.orig").write_text(old)
+    init.write_text(text)
+
+
+def libiomp5(venv: Path) -> Path:
+    """Intel OpenMP shipped with vLLM's deps; vLLM's CPU docs require it in LD_PRELOAD."""
+    lib = venv / "lib" / "libiomp5.so"
+    if not lib.exists():
+        raise PeerError(f"{lib} is missing (intel-openmp not installed?)")
+    return lib
+
+
 # -- llama.cpp -----------------------------------------------------------------------------------
 def cpu_flags() -> set[str]:
     """The `flags` line of /proc/cpuinfo."""
