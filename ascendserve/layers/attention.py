@@ -55,6 +55,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     another request fills in this very step (shared prefix blocks).
     """
     write_kv(kv_cache, k, v, meta.slot_mapping)
+    if meta.decode_token_idx is not None and not meta.prefills:  # a pure decode step: every row, in order
+        return _decode(q.contiguous(), kv_cache, meta, scale)
     out = torch.empty_like(q)
     k_flat = kv_cache[0].view(-1, *k.shape[1:])
     v_flat = kv_cache[1].view(-1, *v.shape[1:])

@@ -138,16 +138,16 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         b, a = self.in_proj_ba(hidden).split([self.num_v_heads, self.num_v_heads], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = hidden.new_empty(hidden.shape[0], self.num_v_heads, self.head_v_dim)
-        if meta.decode_token_idx is not None:
+        if meta.prefill_cu_seqlens is None:  # decodes only: every row, in order
+            core = self._decode(mixed_qkv, g, beta, state, meta)
+        elif meta.prefill_token_idx is None:  # prefills only: every row, in order
+            core = self._prefill(mixed_qkv, g, beta, state, meta)
+        else:  # both kinds (the builder gives prefill rows only next to decode rows)
+            core = hidden.new_empty(hidden.shape[0], self.num_v_heads, self.head_v_dim)
             rows = meta.decode_token_idx
             core[rows] = self._decode(mixed_qkv[rows], g[rows], beta[rows], state, meta)
-        if meta.prefill_cu_seqlens is not None:
             rows = meta.prefill_token_idx
-            if rows is None:  # every row of the step is a prefill row, in order
-                core = self._prefill(mixed_qkv, g, beta, state, meta)
-            else:
-                core[rows] = self._prefill(mixed_qkv[rows], g[rows], beta[rows], state, meta)
+            core[rows] = self._prefill(mixed_qkv[rows], g[rows], beta[rows], state, meta)
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(hidden.shape[0], self.value_dim))
 
