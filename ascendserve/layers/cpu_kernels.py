@@ -53,11 +53,13 @@ def _load():
                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, headers missing: keep the torch path
-        logger.warning("CPU kernels not built (%s: %s); paged decode attention and bf16 / 4-bit-valued weights stay "
-                       "on the slower plain-torch paths. Install g++ and ninja, or set ASCENDSERVE_CPU_KERNELS=0 to silence this.",
+        logger.warning("CPU kernels not built (%s: %s); paged decode attention and bf16 / 4-bit-valued weights "
+                       "stay on the slower plain-torch paths. Install g++ and ninja, or set "
+                       "ASCENDSERVE_CPU_KERNELS=0 to silence this.",
                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
-    logger.info("CPU kernels (paged decode attention, bf16 and 4-bit weight linears) ready in %.1f s", time.perf_counter() - start)
+    logger.info("CPU kernels (paged decode attention, bf16 and 4-bit weight linears) ready in %.1f s",
+                time.perf_counter() - start)
     return torch.ops.ascendserve_cpu
 
 

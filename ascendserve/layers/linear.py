@@ -41,8 +41,8 @@ its weight as bf16 in a panel layout and multiplies with the C++ kernel in csrc/
 which widens the weight in registers (exact) and accumulates in fp32: the same products as F.linear on
 the fp32 weight, half the bytes per decode step and half the memory, and no MKL pack beside it.
 Chosen per layer by the data (every weight bf16-exact, in_features even), not by a flag, so an fp32
-checkpoint (or a dequantized GGUF) keeps the MKL path. Measured with /tmp-style probes, 2 threads,
-ms per call, fp32 F.linear / MKL pack / this kernel:
+checkpoint (or a dequantized GGUF) keeps the MKL path. Measured like benchmarks/probe_bf16_linear.py
+(2 threads, weights streamed from DRAM, ms per call), fp32 F.linear / MKL pack / this kernel:
       shape (N x K)            M=1               M=8               M=64              M=256
       Qwen3.5 8192x1024        1.52/2.14/0.58    4.85/2.54/1.58    8.25/5.99/7.23    23.6/-/28.0
       Qwen3.5 1024x3584        0.40/0.49/0.18    1.11/0.63/0.41    3.27/2.80/2.76    10.0/-/10.4
@@ -243,10 +243,9 @@ def find_q4_grid(weight: torch.Tensor, rows_per_pass: int = 4096):
         fits_q40, q40, d40, m40 = _fit_grid(blocks, -extreme / 8, extreme)  # Q4_0: m = -8 d
         if not bool((fits_q41 | fits_q40).all()):
             return None
-        q, d, m = torch.where(fits_q41[..., None], q41, q40), torch.where(fits_q41, d41, d40), torch.where(fits_q41, m41, m40)
-        qs.append(q.to(torch.uint8).reshape(-1, k))
-        ds.append(d)
-        ms.append(m)
+        qs.append(torch.where(fits_q41[..., None], q41, q40).to(torch.uint8).reshape(-1, k))
+        ds.append(torch.where(fits_q41, d41, d40))
+        ms.append(torch.where(fits_q41, m41, m40))
     return torch.cat(qs), torch.cat(ds), torch.cat(ms)
 
 
@@ -342,6 +341,8 @@ def prepack_linears_(model: nn.Module) -> dict[str, int]:
 
 
 def _cpu_kernels():
-    """The CPU kernel namespace, None when they are turned off or did not build (cpu_kernels warns)."""
+    """The CPU kernel namespace, None when they are turned off or did not build (cpu_kernels warns), or
+    when this CPU has no AVX-512: the kernels' portable loops would be slower than MKL's fp32 GEMM."""
     from ascendserve.layers import cpu_kernels
-    return cpu_kernels.ops()
+    kernels = cpu_kernels.ops()
+    return kernels if kernels is not None and kernels.avx512_tiles() else None

@@ -188,9 +188,20 @@ at::Tensor bf16_unpack(const at::Tensor& packed, int64_t n) {
   return out;
 }
 
+// Whether the tiles above were compiled for AVX-512 (else only the portable loops, which are slower than
+// MKL's fp32 GEMM: the layers then keep their fp32 weights).
+bool avx512_tiles() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
+  m.def("avx512_tiles() -> bool", &avx512_tiles);
   m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("bf16_linear_portable(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("bf16_unpack(Tensor packed, int n) -> Tensor");
