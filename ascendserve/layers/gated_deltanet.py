@@ -79,9 +79,19 @@ def causal_conv1d_prefill(
     buf[context_rows.flatten()] = context.reshape(-1, channels)
     buf[token_rows] = x.to(wdtype)
 
-    # Output column p of a valid conv reads rows p .. p+K-1; token t ends its window at token_rows[t].
-    y = F.conv1d(buf.t().unsqueeze(0), weight.unsqueeze(1), bias, groups=channels)[0]
-    y = y[:, token_rows - width].t()
+    # Output row p of a valid conv reads rows p .. p+K-1; token t's window ends at token_rows[t]. The
+    # depthwise conv is K shifted multiply-adds over the buffer's rows, accumulated in fp32 (as the
+    # decode step): F.conv1d with groups=C took 128 ms for Qwen3.5's 2048 tokens x 6144 channels on
+    # a 2-core CPU (mkldnn's grouped path), these ops a few ms.
+    weight32 = weight.float()
+    rows = buf.shape[0] - width
+    full = buf[:rows].float() * weight32[:, 0]
+    for j in range(1, width + 1):
+        full.addcmul_(buf[j:rows + j].float(), weight32[:, j])
+    y = full[token_rows - width]
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(wdtype)
     conv_states[state_indices] = buf[tail_rows].transpose(1, 2).to(conv_states.dtype)
     return _activate(y, activation).to(x.dtype)
 

@@ -261,3 +261,13 @@ def test_conv_bf16():
     assert y.dtype == y_last.dtype == torch.bfloat16
     ref = conv_reference(x.float(), weight.float())
     torch.testing.assert_close(torch.cat([y, y_last]).float(), ref, atol=3e-2, rtol=2e-2)
+
+
+def test_conv_prefill_bias_and_no_activation():
+    weight, bias = conv_weight(4), torch.randn(C, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(11, C)
+    pool = torch.zeros(1, C, K - 1)
+    y = causal_conv1d_prefill(x, weight, pool, cu([11]), torch.tensor([0]), torch.tensor([False]), bias=bias,
+                              activation=None)
+    ref = F.conv1d(x.t().unsqueeze(0), weight.unsqueeze(1), bias, padding=K - 1, groups=C)[0, :, :11].t()
+    torch.testing.assert_close(y, ref)
