@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra `ascendserve serve` flags, e.g. '--dtype bfloat16'; repeat it to run one "
                         "configuration per value ('' = the defaults); a 'C=1,8:' prefix runs it at those "
                         "levels only, and NAME=value words set the server's environment, e.g. --ascendserve-args '' "
-                        "--ascendserve-args 'C=1:--quantization int4' --ascendserve-args 'ASCENDSERVE_BF16_WEIGHTS=0'")
+                        "--ascendserve-args 'C=1:--quantization int4' --ascendserve-args 'ASCENDSERVE_COMPACT_WEIGHTS=0'")
     p.add_argument("--transformers-dtype", default=None,
                    help="default: bfloat16 on CPUs with AMX or AVX512-BF16, else float32")
     p.add_argument("--run-timeout", type=float, default=3600, help="seconds for one `bench serve` run")
@@ -279,7 +279,7 @@ def _ascendserve(ns, model: Model, params: int, fast_bf16: bool, ctx: int, extra
         weights = flags[flags.index("--quantization") + 1]
         nbytes = params * {"int8": 1, "int4": 0.5}[weights]
     elif dtype == "float32" and _checkpoint_dtype(model.ascendserve_path) == "bfloat16" \
-            and env.get("ASCENDSERVE_BF16_WEIGHTS", "1").lower() not in ("0", "off", "false", "no"):
+            and env.get("ASCENDSERVE_COMPACT_WEIGHTS", "1").lower() not in ("0", "off", "false", "no"):
         weights, nbytes = "bf16 weights, fp32 compute", params * 2  # layers/linear.py Bf16Linear
     argv = [Path(sys.executable).with_name("ascendserve"), "serve", model.ascendserve_path, "--served-model-name",
             model.name, "--host", "127.0.0.1", "--max-model-len", ctx, "--seed", ns.seed, *flags]

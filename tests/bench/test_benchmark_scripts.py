@@ -34,3 +34,19 @@ def test_compare_cpu_uses_only_names_peers_defines():
     assert used and imported
     assert sorted(name for name in used | imported if not hasattr(peers, name)) == []
 
+
+
+def test_ascendserve_args_set_environment_levels_and_weight_bytes(tmp_path):
+    compare_cpu = _module("compare_cpu")
+    (tmp_path / "config.json").write_text('{"text_config": {"dtype": "bfloat16"}}')
+    model = compare_cpu.Model("m", "title", tmp_path, tmp_path)
+    ns = compare_cpu.parse_args(["--threads", "2"])
+    default = compare_cpu._ascendserve(ns, model, 1000, False, 448, "")
+    # A bf16 checkpoint runs in fp32 from bf16 weights: 2 bytes a weight for the roofline.
+    assert default.weights == "bf16 weights, fp32 compute" and default.decode_bytes == 2000
+    assert default.spec(1234, 1).env == {"OMP_NUM_THREADS": "2"}
+    fp32 = compare_cpu._ascendserve(ns, model, 1000, False, 448, "C=1,8:ASCENDSERVE_COMPACT_WEIGHTS=0 --max-num-seqs 8")
+    spec = fp32.spec(1234, 8)
+    assert fp32.levels == [1, 8] and fp32.weights == "float32" and fp32.decode_bytes == 4000
+    assert spec.env == {"OMP_NUM_THREADS": "2", "ASCENDSERVE_COMPACT_WEIGHTS": "0"}
+    assert "--max-num-seqs" in spec.argv and "ASCENDSERVE_COMPACT_WEIGHTS=0" not in spec.argv
