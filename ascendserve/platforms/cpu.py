@@ -49,8 +49,9 @@ class CpuPlatform(Platform):
         if checkpoint_dtype in (torch.float16, torch.bfloat16):
             if cpu_has_fast_bf16():
                 return torch.bfloat16
-            logger.info("this CPU has no native bf16 (no AMX / AVX512-BF16): running in float32; "
-                        "pass --dtype bfloat16 to override")
+            logger.info("this CPU has no native bf16 (no AMX / AVX512-BF16): computing in float32 (bf16 "
+                        "linear weights stay bf16 where the CPU kernels build, layers/linear.py); pass --dtype "
+                        "bfloat16 to override")
             return torch.float32
         return checkpoint_dtype or torch.float32
 
