@@ -65,12 +65,25 @@ def test_unpack_gives_back_the_exact_weight(kernels, k, n):
     assert torch.equal(kernels.bf16_unpack(pack_bf16(layer.weight.detach()), n), layer.weight)
 
 
+class _Recording:
+    """The real kernels, recording which op each call used."""
+
+    def __init__(self, ops) -> None:
+        self._ops, self.calls = ops, []
+
+    def __getattr__(self, name):
+        op = getattr(self._ops, name)
+        return lambda *args: self.calls.append(name) or op(*args)
+
+
 def test_layer_switches_to_unpack_and_f_linear_above_the_kernel_rows(kernels):
     layer = _bf16_valued_linear(576, 96, True)
-    bf16 = Bf16Linear(layer, kernels)
+    recording = _Recording(kernels)
+    bf16 = Bf16Linear(layer, recording)
     for rows in (1, linear_mod.BF16_KERNEL_MAX_ROWS, linear_mod.BF16_KERNEL_MAX_ROWS + 1, 700):
         x = torch.randn(rows, 576)
         _assert_fp32_product(bf16(x), x, layer)
+    assert recording.calls == ["bf16_linear", "bf16_linear", "bf16_unpack", "bf16_unpack"]
     x = torch.randn(2, 3, 576)[:, ::2]  # leading dims flattened; a non-contiguous input is copied
     _assert_fp32_product(bf16(x).reshape(-1, 96), x.reshape(-1, 576), layer)
     assert bf16.packed.dtype == torch.bfloat16 and bf16.packed.numel() * 2 == 576 * 96 * 2
