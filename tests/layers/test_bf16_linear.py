@@ -4,24 +4,17 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ascendserve.layers import cpu_kernels
 from ascendserve.layers import linear as linear_mod
 from ascendserve.layers.linear import Bf16Linear, PackedLinear, pack_bf16, prepack_linears_
+from tests.layers.kernel_checks import assert_fp32_product
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    ops = cpu_kernels.ops()
-    assert ops is not None, "the CPU kernels did not build: see the warning above"
-    return ops
 
 
 def _bf16_valued_linear(k: int, n: int, bias: bool, seed: int = 0) -> nn.Linear:
@@ -30,16 +23,6 @@ def _bf16_valued_linear(k: int, n: int, bias: bool, seed: int = 0) -> nn.Linear:
     with torch.no_grad():
         layer.weight.copy_(layer.weight.bfloat16().float())
     return layer
-
-
-def _assert_fp32_product(out: torch.Tensor, x: torch.Tensor, layer: nn.Linear) -> None:
-    bias = None if layer.bias is None else layer.bias.double()
-    ref = F.linear(x.double(), layer.weight.double(), bias)
-    assert out.dtype == torch.float32 and out.shape == ref.shape
-    # fp32 sums in another order: errors ~1e-7 of the terms' magnitude, sum |x| |w| (+ |b|), not of
-    # the output, which may cancel to near zero.
-    scale = F.linear(x.double().abs(), layer.weight.double().abs(), None if bias is None else bias.abs())
-    assert ((out.double() - ref).abs() <= 1e-5 * scale.clamp(min=1e-30)).all(), (x.shape, (out.double() - ref).abs().max())
 
 
 # (K, N): N below, at and between multiples of the 32-row panel; K small, SmolLM2's and Qwen3.5's.
@@ -56,7 +39,7 @@ def test_kernel_is_the_fp32_product_of_the_bf16_weight(kernels, k, n, bias, op):
     packed = pack_bf16(layer.weight.detach())
     for rows in ROWS:
         x = torch.randn(rows, k)
-        _assert_fp32_product(getattr(kernels, op)(x, packed, n, layer.bias), x, layer)
+        assert_fp32_product(getattr(kernels, op)(x, packed, n, layer.bias), x, layer)
 
 
 @pytest.mark.parametrize("k,n", SHAPES)
@@ -82,10 +65,10 @@ def test_layer_switches_to_unpack_and_f_linear_above_the_kernel_rows(kernels):
     bf16 = Bf16Linear(layer, recording)
     for rows in (1, linear_mod.BF16_KERNEL_MAX_ROWS, linear_mod.BF16_KERNEL_MAX_ROWS + 1, 700):
         x = torch.randn(rows, 576)
-        _assert_fp32_product(bf16(x), x, layer)
+        assert_fp32_product(bf16(x), x, layer)
     assert recording.calls == ["bf16_linear", "bf16_linear", "bf16_unpack", "bf16_unpack"]
     x = torch.randn(2, 3, 576)[:, ::2]  # leading dims flattened; a non-contiguous input is copied
-    _assert_fp32_product(bf16(x).reshape(-1, 96), x.reshape(-1, 576), layer)
+    assert_fp32_product(bf16(x).reshape(-1, 96), x.reshape(-1, 576), layer)
     assert bf16.packed.dtype == torch.bfloat16 and bf16.packed.numel() * 2 == 576 * 96 * 2
 
 
@@ -127,7 +110,7 @@ def test_prepack_keeps_bf16_valued_weights_as_bf16(kernels, caplog):
     x = torch.randn(5, 32)
     reference = nn.Linear(32, 100, bias=False)
     reference.weight = nn.Parameter(embedding)
-    _assert_fp32_product(model.lm_head(x), x, reference)
+    assert_fp32_product(model.lm_head(x), x, reference)
 
 
 @pytest.mark.parametrize("env", [linear_mod.COMPACT_ENV_VAR, "ASCENDSERVE_CPU_KERNELS"])

@@ -7,21 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascendserve.layers import cpu_kernels
 from ascendserve.layers import linear as linear_mod
 from ascendserve.layers.linear import Bf16Linear, Q4Linear, find_q4_grid, pack_q4, prepack_linears_
+from tests.layers.kernel_checks import assert_fp32_product
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    ops = cpu_kernels.ops()
-    assert ops is not None, "the CPU kernels did not build: see the warning above"
-    return ops
 
 
 def _gguf_dequantized(n: int, k: int, qtype: gguf.GGMLQuantizationType, seed: int = 0) -> torch.Tensor:
@@ -36,16 +29,6 @@ def _grid_linear(n: int, k: int, bias: bool, qtype=gguf.GGMLQuantizationType.Q4_
     with torch.no_grad():
         layer.weight.copy_(_gguf_dequantized(n, k, qtype, seed))
     return layer
-
-
-def _assert_fp32_product(out: torch.Tensor, x: torch.Tensor, layer: nn.Linear) -> None:
-    bias = None if layer.bias is None else layer.bias.double()
-    ref = F.linear(x.double(), layer.weight.double(), bias)
-    assert out.dtype == torch.float32 and out.shape == ref.shape
-    # fp32 sums in another order: errors ~1e-7 of the terms' magnitude, sum |x| |w| (+ |b|), not of
-    # the output, which may cancel to near zero.
-    scale = F.linear(x.double().abs(), layer.weight.double().abs(), None if bias is None else bias.abs())
-    assert ((out.double() - ref).abs() <= 1e-5 * scale.clamp(min=1e-30)).all(), (x.shape, (out.double() - ref).abs().max())
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1])
@@ -77,7 +60,7 @@ def test_kernel_is_the_fp32_product_of_the_grid_weight(kernels, n, k, bias, op):
     packed = pack_q4(*find_q4_grid(layer.weight.detach()))
     for rows in ROWS:
         x = torch.randn(rows, k)
-        _assert_fp32_product(getattr(kernels, op)(x, *packed, n, layer.bias), x, layer)
+        assert_fp32_product(getattr(kernels, op)(x, *packed, n, layer.bias), x, layer)
 
 
 def test_layer_runs_its_fp32_layer_above_the_kernel_rows(kernels, monkeypatch):
@@ -87,10 +70,10 @@ def test_layer_runs_its_fp32_layer_above_the_kernel_rows(kernels, monkeypatch):
     monkeypatch.setattr(layer, "forward", lambda x: calls.append(len(x)) or F.linear(x, layer.weight, layer.bias))
     for rows in (1, linear_mod.Q4_KERNEL_MAX_ROWS, linear_mod.Q4_KERNEL_MAX_ROWS + 1, 700):
         x = torch.randn(rows, 576)
-        _assert_fp32_product(q4(x), x, layer)
+        assert_fp32_product(q4(x), x, layer)
     assert calls == [linear_mod.Q4_KERNEL_MAX_ROWS + 1, 700]
     x = torch.randn(2, 3, 576)[:, ::2]  # leading dims flattened; a non-contiguous input is copied
-    _assert_fp32_product(q4(x).reshape(-1, 96), x.reshape(-1, 576), layer)
+    assert_fp32_product(q4(x).reshape(-1, 96), x.reshape(-1, 576), layer)
     assert q4.q.numel() == 96 * 576 // 2 and q4.bias is layer.bias  # half a byte per weight, plus d and m per 32
 
 

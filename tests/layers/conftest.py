@@ -1,0 +1,13 @@
+"""Fixtures shared by the CPU kernel tests."""
+
+import pytest
+
+from ascendserve.layers import cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """torch.ops.ascendserve_cpu, built (or loaded from the cache) on first use."""
+    ops = cpu_kernels.ops()
+    assert ops is not None, "the CPU kernels did not build: see the warning above"
+    return ops
