@@ -9,6 +9,7 @@ layers keep their plain-torch path (attention gathers K/V; bf16 / 4-bit-valued w
 warning line that says why.
 """
 
+import glob
 import hashlib
 import os
 import sys
@@ -49,7 +50,8 @@ def _load():
     here = os.path.join(os.path.dirname(__file__), "csrc")
     start = time.perf_counter()
     try:
-        cpp_extension.load(name=f"ascendserve_cpu_kernels_{_cpu_tag()}", sources=[os.path.join(here, s) for s in _SOURCES],
+        cpp_extension.load(name=f"ascendserve_cpu_kernels_{_build_tag(here)}",
+                           sources=[os.path.join(here, s) for s in _SOURCES],
                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, headers missing: keep the torch path
@@ -63,11 +65,17 @@ def _load():
     return torch.ops.ascendserve_cpu
 
 
-def _cpu_tag() -> str:
-    """A short hash of the CPU's feature flags: a build with -march=native is reused only on a CPU like it."""
+def _build_tag(csrc: str) -> str:
+    """A short hash of the CPU's feature flags and of the shared headers: a build with -march=native is
+    reused only on a CPU like it, and a changed header means a new build (torch's builder hashes the
+    sources it is given, not what they include)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""
-    return hashlib.sha256(flags.encode()).hexdigest()[:8]
+    digest = hashlib.sha256(flags.encode())
+    for header in sorted(glob.glob(os.path.join(csrc, "*.h"))):
+        with open(header, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:8]

@@ -14,13 +14,12 @@
 // accumulators, 24 in all, for independent FMA chains), broadcasting x and streaming one panel
 // front to back, which the hardware prefetcher follows.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include "panel_linear.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -28,10 +27,9 @@
 
 namespace {
 
-constexpr int64_t kPanel = 32;  // output rows per panel
-constexpr int kMaxRows = 6;     // x rows per register tile
+using ascendserve_panel::kMaxRows;
+using ascendserve_panel::kPanel;
 constexpr int64_t kPrefetchPairs = 32;  // input pairs (128 bytes each) the AVX-512 tile prefetches ahead
-constexpr int64_t kChunkBytes = 256 << 10;  // x rows per pass over the weight: about this many bytes
 
 inline float bf16_bits_to_float(uint32_t bits) {
   float f;
@@ -121,35 +119,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   TORCH_CHECK(k == 2 * kpairs, "bf16_linear: x has ", k, " columns, the weight ", 2 * kpairs);
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "bf16_linear: n=", n, " does not match ", panels,
               " panels");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "bf16_linear: bias must be a contiguous fp32 [N] tensor");
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "bf16_linear");
   at::Tensor out = at::empty({m_rows, n}, x.options());
   if (m_rows == 0) return out;
   const float* x_ptr = x.data_ptr<float>();
   const uint32_t* w_ptr = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   float* out_ptr = out.data_ptr<float>();
-  // Threads split the panels; each walks its panels once per chunk of rows, a chunk's x slice staying
-  // in the core's L2 meanwhile (decode batches are one chunk), and a panel staying in L1/L2 while the
-  // chunk's blocks of 6 rows pass over it.
-  const int64_t chunk_rows = std::max<int64_t>(kMaxRows, kChunkBytes / (4 * k) / kMaxRows * kMaxRows);
   const int64_t panel_stride = kpairs * kPanel;
-  at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
-    for (int64_t c0 = 0; c0 < m_rows; c0 += chunk_rows) {
-      const int64_t c1 = std::min(m_rows, c0 + chunk_rows);
-      for (int64_t p = p_begin; p < p_end; ++p) {
-        const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
-        const float* b = bias_ptr ? bias_ptr + p * kPanel : nullptr;
-        for (int64_t m0 = c0; m0 < c1; m0 += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, c1 - m0));
-          (portable ? tile_portable : tile_fast)(rows, x_ptr + m0 * k, k, w_ptr + p * panel_stride, kpairs,
-                                                 out_ptr + m0 * n + p * kPanel, n, cols, b);
-        }
-      }
-    }
+  ascendserve_panel::for_each_tile(m_rows, k, n, panels, [&](int64_t p, int64_t m0, int rows, int64_t cols) {
+    (portable ? tile_portable : tile_fast)(rows, x_ptr + m0 * k, k, w_ptr + p * panel_stride, kpairs,
+                                           out_ptr + m0 * n + p * kPanel, n, cols,
+                                           bias_ptr ? bias_ptr + p * kPanel : nullptr);
   });
   return out;
 }

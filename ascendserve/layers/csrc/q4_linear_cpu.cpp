@@ -13,13 +13,11 @@
 // x-rows by 32 outputs in registers, x broadcast, one panel streamed front to back), with a block
 // accumulator folded into the output at the end of each block of 32 inputs.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <vector>
+
+#include "panel_linear.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -27,11 +25,10 @@
 
 namespace {
 
-constexpr int64_t kPanel = 32;   // output rows per panel
+using ascendserve_panel::kMaxRows;
+using ascendserve_panel::kPanel;
 constexpr int64_t kGroup = 32;   // inputs per (d, m) block
-constexpr int kMaxRows = 6;      // x rows per register tile
 constexpr int64_t kPrefetchPairs = 64;  // input pairs (32 bytes each) prefetched ahead
-constexpr int64_t kChunkBytes = 256 << 10;  // x rows per pass over the weight: about this many bytes
 
 struct Q4Panel {
   const uint8_t* q;      // [K/2][32]
@@ -144,12 +141,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sc
   check_pack(q, scales, mins, n, "q4_linear");
   const int64_t m_rows = x.size(0), k = x.size(1), panels = q.size(0), groups = k / kGroup;
   TORCH_CHECK(k == 2 * q.size(1), "q4_linear: x has ", k, " columns, the weight ", 2 * q.size(1));
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "q4_linear: bias must be a contiguous fp32 [N] tensor");
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "q4_linear");
   at::Tensor out = at::empty({m_rows, n}, x.options());
   if (m_rows == 0) return out;
   // Each row's sum over each block of 32 inputs (the mins' factor), once per call.
@@ -160,22 +152,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sc
   const float* d_ptr = scales.data_ptr<float>();
   const float* m_ptr = mins.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
-  const int64_t chunk_rows = std::max<int64_t>(kMaxRows, kChunkBytes / (4 * k) / kMaxRows * kMaxRows);
-  // Threads split the panels, as in bf16_linear_cpu.cpp.
-  at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
-    for (int64_t c0 = 0; c0 < m_rows; c0 += chunk_rows) {
-      const int64_t c1 = std::min(m_rows, c0 + chunk_rows);
-      for (int64_t p = p_begin; p < p_end; ++p) {
-        const Q4Panel w{q_ptr + p * (k / 2) * kPanel, d_ptr + p * groups * kPanel, m_ptr + p * groups * kPanel};
-        const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
-        const float* b = bias_ptr ? bias_ptr + p * kPanel : nullptr;
-        for (int64_t m0 = c0; m0 < c1; m0 += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, c1 - m0));
-          (portable ? tile_portable : tile_fast)(rows, x_ptr + m0 * k, xsum_ptr + m0 * groups, k, groups, w,
-                                                 out_ptr + m0 * n + p * kPanel, n, cols, b);
-        }
-      }
-    }
+  ascendserve_panel::for_each_tile(m_rows, k, n, panels, [&](int64_t p, int64_t m0, int rows, int64_t cols) {
+    const Q4Panel w{q_ptr + p * (k / 2) * kPanel, d_ptr + p * groups * kPanel, m_ptr + p * groups * kPanel};
+    (portable ? tile_portable : tile_fast)(rows, x_ptr + m0 * k, xsum_ptr + m0 * groups, k, groups, w,
+                                           out_ptr + m0 * n + p * kPanel, n, cols,
+                                           bias_ptr ? bias_ptr + p * kPanel : nullptr);
   });
   return out;
 }
