@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ascendserve.layers import cpu_kernels
 from ascendserve.layers.activation import GatedActivation
 from ascendserve.layers.attention import AttentionMetadata, paged_attention
 from ascendserve.layers.gated_deltanet import (causal_conv1d_decode, causal_conv1d_prefill,
@@ -134,8 +135,14 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
         """hidden [T, H]; state = (conv pool, recurrent pool) of this layer; meta: the runner's StateMetadata."""
-        mixed_qkv, z = self.in_proj_qkvz(hidden).split([self.conv_dim, self.value_dim], dim=-1)
-        b, a = self.in_proj_ba(hidden).split([self.num_v_heads, self.num_v_heads], dim=-1)
+        qkvz, ba = self.in_proj_qkvz(hidden), self.in_proj_ba(hidden)
+        if meta.prefill_cu_seqlens is None and (kernels := self._decode_kernels(qkvz, state)) is not None:
+            core = kernels.gdn_decode(qkvz, ba, self.conv1d.weight.view(self.conv_dim, -1), *state,
+                                      meta.decode_slots, self.A_log, self.dt_bias, self.norm.weight,
+                                      self.num_k_heads, self.norm.eps)
+            return self.out_proj(core)
+        mixed_qkv, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = ba.split([self.num_v_heads, self.num_v_heads], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if meta.prefill_cu_seqlens is None:  # decodes only: every row, in order
@@ -150,6 +157,14 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             core[rows] = self._prefill(mixed_qkv[rows], g[rows], beta[rows], state, meta)
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(hidden.shape[0], self.value_dim))
+
+    def _decode_kernels(self, qkvz: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
+        """The CPU ops when a decode-only step can run as one fused op (fp32 model and pools, SiLU conv)."""
+        if qkvz.device.type != "cpu" or self.activation not in ("silu", "swish"):
+            return None
+        if any(t.dtype != torch.float32 for t in (qkvz, *state, self.A_log, self.norm.weight)):
+            return None
+        return cpu_kernels.ops()
 
     def _split_heads(self, x: torch.Tensor):
         q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

@@ -22,6 +22,7 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 from ascendserve import LLM, SamplingParams
 from ascendserve.config import EngineArgs
 from ascendserve.engine.llm_engine import LLMEngine
+from ascendserve.layers import cpu_kernels
 from ascendserve.layers.linear import Bf16Linear, PackedLinear
 from ascendserve.layers.mrope import MRotaryEmbedding, interleaved_axis_of_slots
 from ascendserve.worker.kv_budget import KVCacheTooSmallError
@@ -143,6 +144,16 @@ def test_bf16_checkpoint_runs_in_fp32_from_bf16_weights(checkpoints, budget):
     model = llm.llm_engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, (nn.Linear, Bf16Linear, PackedLinear))]
     assert linears and all(isinstance(m, Bf16Linear) for m in linears), {type(m).__name__ for m in linears}
+    check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
+    _assert_clean(llm.llm_engine)
+
+
+def test_plain_torch_decode_path(checkpoints, monkeypatch):
+    # Without the CPU kernels (other devices, ASCENDSERVE_CPU_KERNELS=0) a decode step runs Gated DeltaNet
+    # as plain-torch ops instead of the fused op, and attention gathers its blocks.
+    monkeypatch.setitem(cpu_kernels._state, "ops", None)
+    path, prompts, refs = checkpoints("dense")
+    llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=100)
     check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
     _assert_clean(llm.llm_engine)
 
