@@ -24,7 +24,8 @@ from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ["paged_decode_cpu.cpp", "bf16_linear_cpu.cpp", "q4_linear_cpu.cpp", "gdn_decode_cpu.cpp"]
+_SOURCES = ["paged_decode_cpu.cpp", "bf16_linear_cpu.cpp", "q4_linear_cpu.cpp", "gdn_decode_cpu.cpp",
+            "gdn_prefill_cpu.cpp"]
 _lock = threading.Lock()
 _state: dict = {}  # "ops": the loaded op namespace or None once a load was tried
 

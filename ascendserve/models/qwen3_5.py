@@ -101,7 +101,9 @@ class Qwen3_5GatedDeltaNet(nn.Module):
     `in_proj_qkvz` fuses in_proj_qkv (q | k | v, the conv channels) and in_proj_z (the output
     gate); `in_proj_ba` fuses in_proj_b (-> beta) and in_proj_a (-> decay). Prefill sequences run
     the chunked kernel (chunk 64) from their slot (or from zeros when `has_initial_state` is False);
-    single-token continuations run the recurrent kernel. Both update the slot in place.
+    single-token continuations run the recurrent kernel. Both update the slot in place. On CPU with an
+    fp32 model, each kind is one C++ op (csrc/gdn_decode_cpu.cpp, csrc/gdn_prefill_cpu.cpp) that also
+    does the conv and the gated norm; the plain-torch path below is the reference and the fallback.
     """
 
     def __init__(self, config) -> None:
@@ -136,35 +138,36 @@ class Qwen3_5GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
         """hidden [T, H]; state = (conv pool, recurrent pool) of this layer; meta: the runner's StateMetadata."""
         qkvz, ba = self.in_proj_qkvz(hidden), self.in_proj_ba(hidden)
-        if meta.prefill_cu_seqlens is None and (kernels := self._decode_kernels(qkvz, state)) is not None:
-            core = kernels.gdn_decode(qkvz, ba, self.conv1d.weight.view(self.conv_dim, -1), *state,
-                                      meta.decode_slots, self.A_log, self.dt_bias, self.norm.weight,
-                                      self.num_k_heads, self.norm.eps)
-            return self.out_proj(core)
+        if (kernels := self._cpu_kernels(qkvz, state)) is not None:
+            return self.out_proj(self._fused(kernels, qkvz, ba, state, meta))
         mixed_qkv, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
         b, a = ba.split([self.num_v_heads, self.num_v_heads], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        if meta.prefill_cu_seqlens is None:  # decodes only: every row, in order
-            core = self._decode(mixed_qkv, g, beta, state, meta)
-        elif meta.prefill_token_idx is None:  # prefills only: every row, in order
-            core = self._prefill(mixed_qkv, g, beta, state, meta)
-        else:  # both kinds (the builder gives prefill rows only next to decode rows)
-            core = hidden.new_empty(hidden.shape[0], self.num_v_heads, self.head_v_dim)
-            rows = meta.decode_token_idx
-            core[rows] = self._decode(mixed_qkv[rows], g[rows], beta[rows], state, meta)
-            rows = meta.prefill_token_idx
-            core[rows] = self._prefill(mixed_qkv[rows], g[rows], beta[rows], state, meta)
+        core = _by_kind(
+            meta, qkvz.new_empty(hidden.shape[0], self.num_v_heads, self.head_v_dim),
+            lambda rows: self._decode(*_take(rows, mixed_qkv, g, beta), state, meta),
+            lambda rows: self._prefill(*_take(rows, mixed_qkv, g, beta), state, meta))
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(hidden.shape[0], self.value_dim))
 
-    def _decode_kernels(self, qkvz: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
-        """The CPU ops when a decode-only step can run as one fused op (fp32 model and pools, SiLU conv)."""
+    def _cpu_kernels(self, qkvz: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
+        """The CPU ops when the step can run as the fused C++ ops (fp32 model and pools, SiLU conv), else None."""
         if qkvz.device.type != "cpu" or self.activation not in ("silu", "swish"):
             return None
         if any(t.dtype != torch.float32 for t in (qkvz, *state, self.A_log, self.norm.weight)):
             return None
         return cpu_kernels.ops()
+
+    def _fused(self, kernels, qkvz, ba, state, meta) -> torch.Tensor:
+        """Conv, delta rule and gated norm of every row by the C++ ops: [T, Hv*dv], ready for out_proj."""
+        weights = (self.conv1d.weight.view(self.conv_dim, -1), *state)
+        params = (self.A_log, self.dt_bias, self.norm.weight, self.num_k_heads, self.norm.eps)
+        return _by_kind(
+            meta, qkvz.new_empty(qkvz.shape[0], self.value_dim),
+            lambda rows: kernels.gdn_decode(*_take(rows, qkvz, ba), *weights, meta.decode_slots, *params),
+            lambda rows: kernels.gdn_prefill(*_take(rows, qkvz, ba), *weights, meta.prefill_cu_seqlens,
+                                             meta.prefill_slots, meta.prefill_has_initial_state, *params))
 
     def _split_heads(self, x: torch.Tensor):
         q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -191,6 +194,26 @@ class Qwen3_5GatedDeltaNet(nn.Module):
                                             use_qk_l2norm_in_kernel=True)
         ssm_states[slots] = final.to(ssm_states.dtype)
         return out
+
+
+def _take(rows: torch.Tensor | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The given rows of each tensor (all of them, uncopied, when rows is None)."""
+    return tensors if rows is None else tuple(t[rows] for t in tensors)
+
+
+def _by_kind(meta, out: torch.Tensor, decode, prefill) -> torch.Tensor:
+    """decode(rows) and prefill(rows) over the step's rows of each kind; rows None means every row, in order.
+
+    `out` (the full result's shape, unwritten) is filled only when the step mixes both kinds (the
+    builder gives prefill rows only next to decode rows); otherwise the one call's result is returned.
+    """
+    if meta.prefill_cu_seqlens is None:
+        return decode(None)
+    if meta.prefill_token_idx is None:
+        return prefill(None)
+    out[meta.decode_token_idx] = decode(meta.decode_token_idx)
+    out[meta.prefill_token_idx] = prefill(meta.prefill_token_idx)
+    return out
 
 
 class Qwen3_5DecoderLayer(nn.Module):

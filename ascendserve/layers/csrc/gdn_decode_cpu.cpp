@@ -25,6 +25,8 @@
 #include <cmath>
 #include <vector>
 
+#include "flush_denormals.h"
+
 namespace {
 
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
@@ -105,6 +107,7 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, const at::Te
   const int64_t qkvz_stride = qkvz.stride(0), ba_stride = ba.stride(0), group = num_v_heads / num_k_heads;
   const float scale = 1.f / std::sqrt(static_cast<float>(dk)), eps = static_cast<float>(norm_eps);
   at::parallel_for(0, batch * num_v_heads, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals flush;
     std::vector<float> q(dk), k(dk), kv(dv), delta(dv);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_v_heads, h = item % num_v_heads, kh = h / group;
