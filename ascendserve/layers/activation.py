@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ascendserve.layers import cpu_kernels
+
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -17,5 +19,10 @@ class GatedActivation(nn.Module):
         self.act = _ACTS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 on CPU: gate and up in one pass (csrc/silu_and_mul_cpu.cpp); a compiled forward fuses the
+        # torch form instead.
+        if (self.act is F.silu and x.device.type == "cpu" and x.dtype == torch.float32
+                and not torch.compiler.is_compiling() and (kernels := cpu_kernels.ops()) is not None):
+            return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return self.act(gate) * up

@@ -1,0 +1,47 @@
+"""GatedActivation: the CPU silu_and_mul op (csrc/silu_and_mul_cpu.cpp) against the torch form."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ascendserve.layers import cpu_kernels
+from ascendserve.layers.activation import GatedActivation
+
+
+def torch_form(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("shape", [(1, 7168), (3, 5, 64), (0, 8), (70, 2)])
+def test_silu_and_mul_matches_torch(kernels, shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 4
+    got = kernels.silu_and_mul(x)
+    assert got.shape == (*shape[:-1], shape[-1] // 2)
+    torch.testing.assert_close(got, torch_form(x), atol=1e-6, rtol=1e-5)
+
+
+def test_silu_and_mul_reads_strided_rows(kernels):
+    wide = torch.randn(6, 40, generator=torch.Generator().manual_seed(1))
+    x = wide[:, 4:36]  # rows 40 apart, columns contiguous: a split of a fused projection
+    torch.testing.assert_close(kernels.silu_and_mul(x), torch_form(x), atol=1e-6, rtol=1e-5)
+
+
+def test_silu_and_mul_bad_inputs_are_errors(kernels):
+    with pytest.raises(RuntimeError, match="must be even"):
+        kernels.silu_and_mul(torch.zeros(2, 5))
+    with pytest.raises(RuntimeError, match="fp32"):
+        kernels.silu_and_mul(torch.zeros(2, 4, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.silu_and_mul(torch.zeros(4, 2).T)
+
+
+def test_gated_activation_uses_the_op_for_fp32_silu_only(kernels, monkeypatch):
+    calls = []
+    monkeypatch.setitem(cpu_kernels._state, "ops", type("Ops", (), {
+        "silu_and_mul": staticmethod(lambda x: calls.append(x.dtype) or kernels.silu_and_mul(x))}))
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(GatedActivation("silu")(x), torch_form(x))
+    GatedActivation("silu")(x.bfloat16())
+    GatedActivation("gelu")(x)
+    assert calls == [torch.float32]
