@@ -22,6 +22,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -36,6 +40,58 @@ inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
+// One 4 x 64 tile of gemm_acc: 16 vector sums live in registers for the whole i loop.
+#if defined(__AVX512F__)
+inline void gemm_tile(int64_t K, float alpha, const float* a, int64_t am, int64_t ai, const float* b, int64_t ldb,
+                      float* c, int64_t ldc) {
+  __m512 acc[4][4];
+  for (int r = 0; r < 4; ++r)
+    for (int h = 0; h < 4; ++h) acc[r][h] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < K; ++i) {
+    const float* brow = b + i * ldb;
+    const __m512 b0 = _mm512_loadu_ps(brow), b1 = _mm512_loadu_ps(brow + 16);
+    const __m512 b2 = _mm512_loadu_ps(brow + 32), b3 = _mm512_loadu_ps(brow + 48);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * am + i * ai]);
+      acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(x, b2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(x, b3, acc[r][3]);
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(alpha);
+  for (int r = 0; r < 4; ++r)
+    for (int h = 0; h < 4; ++h) {
+      float* out = c + r * ldc + 16 * h;
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(scale, acc[r][h], _mm512_loadu_ps(out)));
+    }
+}
+#else
+inline void gemm_tile(int64_t K, float alpha, const float* a, int64_t am, int64_t ai, const float* b, int64_t ldb,
+                      float* c, int64_t ldc) {
+  constexpr int64_t kCols = 64;
+  float acc0[kCols] = {}, acc1[kCols] = {}, acc2[kCols] = {}, acc3[kCols] = {};
+  for (int64_t i = 0; i < K; ++i) {
+    const float* brow = b + i * ldb;
+    const float x0 = a[i * ai], x1 = a[am + i * ai], x2 = a[2 * am + i * ai], x3 = a[3 * am + i * ai];
+#pragma omp simd
+    for (int64_t j = 0; j < kCols; ++j) {
+      acc0[j] += x0 * brow[j];
+      acc1[j] += x1 * brow[j];
+      acc2[j] += x2 * brow[j];
+      acc3[j] += x3 * brow[j];
+    }
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < kCols; ++j) {
+    c[j] += alpha * acc0[j];
+    c[ldc + j] += alpha * acc1[j];
+    c[2 * ldc + j] += alpha * acc2[j];
+    c[3 * ldc + j] += alpha * acc3[j];
+  }
+}
+#endif
+
 // C[m][n] += alpha * sum_i A(m, i) B[i][n] for m < M, n < N, i < K, with A(m, i) = a[m * am + i * ai]
 // and B, C row-major. Tiles of 4 rows x 64 columns keep their sums in registers across the i loop.
 void gemm_acc(int64_t M, int64_t N, int64_t K, float alpha, const float* a, int64_t am, int64_t ai,
@@ -46,27 +102,7 @@ void gemm_acc(int64_t M, int64_t N, int64_t K, float alpha, const float* a, int6
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const int64_t mr = std::min(kRows, M - m0);
       if (nc == kCols && mr == kRows) {
-        float acc0[kCols] = {}, acc1[kCols] = {}, acc2[kCols] = {}, acc3[kCols] = {};
-        const float* a0 = a + m0 * am;
-        for (int64_t i = 0; i < K; ++i) {
-          const float* brow = b + i * ldb + n0;
-          const float x0 = a0[i * ai], x1 = a0[am + i * ai], x2 = a0[2 * am + i * ai], x3 = a0[3 * am + i * ai];
-#pragma omp simd
-          for (int64_t j = 0; j < kCols; ++j) {
-            acc0[j] += x0 * brow[j];
-            acc1[j] += x1 * brow[j];
-            acc2[j] += x2 * brow[j];
-            acc3[j] += x3 * brow[j];
-          }
-        }
-        float* c0 = c + m0 * ldc + n0;
-#pragma omp simd
-        for (int64_t j = 0; j < kCols; ++j) {
-          c0[j] += alpha * acc0[j];
-          c0[ldc + j] += alpha * acc1[j];
-          c0[2 * ldc + j] += alpha * acc2[j];
-          c0[3 * ldc + j] += alpha * acc3[j];
-        }
+        gemm_tile(K, alpha, a + m0 * am, am, ai, b + n0, ldb, c + m0 * ldc + n0, ldc);
         continue;
       }
       for (int64_t r = 0; r < mr; ++r) {  // edges: one row at a time
@@ -185,18 +221,29 @@ void chunk_step(const Dims& d, const float* x, const float* ba, int64_t ba_strid
     }
     for (int64_t j = i + 1; j < len; ++j) w.lower[i * kChunk + j] = w.attn[i * kChunk + j] = 0.f;
   }
-  // rhs rows [beta v | beta exp(c) k], then T applied by forward substitution: [U | W].
+  // rhs rows [beta v | beta exp(c) k], then T applied by forward substitution: [U | W]. Column blocks
+  // of 64: a row's block is summed in registers over the rows before it.
   for (int64_t r = 0; r < len; ++r) {
     float* row = w.rhs.data() + r * width;
     const float* v = x + (t0 + r) * d.channels + 2 * d.key_dim + h * dv;
     const float fk = w.beta[r] * std::exp(w.cum[r]);
     for (int64_t j = 0; j < dv; ++j) row[j] = w.beta[r] * v[j];
     for (int64_t j = 0; j < dk; ++j) row[dv + j] = fk * w.k[r * dk + j];
-    for (int64_t i = 0; i < r; ++i) {
-      const float f = w.lower[r * kChunk + i];
-      const float* prev = w.rhs.data() + i * width;
+  }
+  constexpr int64_t kBlock = 64;
+  for (int64_t c0 = 0; c0 < width; c0 += kBlock) {
+    const int64_t nc = std::min(kBlock, width - c0);
+    for (int64_t r = 1; r < len; ++r) {
+      float acc[kBlock];
+      float* row = w.rhs.data() + r * width + c0;
+      std::copy(row, row + nc, acc);
+      for (int64_t i = 0; i < r; ++i) {
+        const float f = w.lower[r * kChunk + i];
+        const float* prev = w.rhs.data() + i * width + c0;
 #pragma omp simd
-      for (int64_t j = 0; j < width; ++j) row[j] -= f * prev[j];
+        for (int64_t j = 0; j < nc; ++j) acc[j] -= f * prev[j];
+      }
+      std::copy(acc, acc + nc, row);
     }
   }
   // V' = U - W S
