@@ -42,6 +42,17 @@ ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")  # a leading NAME=value in --
 TRANSFORMERS_NO_EOS = ["--extra-body", json.dumps({"generation_config": json.dumps({"eos_token_id": -1})})]
 
 
+def _ascendserve_config(value: str) -> str:
+    """One --ascendserve-args value, its 'C=1,8:' level prefix checked (a typo there is an error, not a traceback)."""
+    if value.startswith("C="):
+        spec, colon, _ = value.partition(":")
+        if not colon or not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", spec[2:]):
+            raise argparse.ArgumentTypeError(
+                f"{value!r}: a level prefix is 'C=' with comma-separated levels and a colon before the flags, "
+                "e.g. 'C=1,8:--quantization int4'")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -61,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU threads for every engine and for the bandwidth probe")
     p.add_argument("--vllm-dtypes", default="bfloat16,float32", help="vLLM runs once per dtype and mode")
     p.add_argument("--vllm-modes", default="compiled,eager", help="compiled (default torch.compile), eager")
-    p.add_argument("--ascendserve-args", action="append", default=None,
+    p.add_argument("--ascendserve-args", action="append", default=None, type=_ascendserve_config,
                    help="extra `ascendserve serve` flags, e.g. '--dtype bfloat16'; repeat it to run one "
                         "configuration per value ('' = the defaults); a 'C=1,8:' prefix runs it at those "
                         "levels only, and NAME=value words set the server's environment, e.g. --ascendserve-args '' "

@@ -1,4 +1,4 @@
-"""The benchmark scripts in benchmarks/ only use names their helper module defines.
+"""The benchmark scripts in benchmarks/: the names they use exist, and their own arguments are checked.
 
 compare_cpu.py is run by hand for an hour at a time, so a helper dropped from peers.py (as happened
 once to `libiomp5` and `_guard_torchvision`) only surfaced as an AttributeError at the vLLM
@@ -9,6 +9,8 @@ import ast
 import importlib.util
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -50,3 +52,18 @@ def test_ascendserve_args_set_environment_levels_and_weight_bytes(tmp_path):
     assert fp32.levels == [1, 8] and fp32.weights == "float32" and fp32.decode_bytes == 4000
     assert spec.env == {"OMP_NUM_THREADS": "2", "ASCENDSERVE_COMPACT_WEIGHTS": "0"}
     assert "--max-num-seqs" in spec.argv and "ASCENDSERVE_COMPACT_WEIGHTS=0" not in spec.argv
+
+
+@pytest.mark.parametrize("value", ["C=1,8--quantization int4", "C=x:--dtype float32", "C=:", "C=1,,8:", "C=0:"])
+def test_a_mistyped_level_prefix_is_a_usage_error(value, capsys):
+    compare_cpu = _module("compare_cpu")
+    with pytest.raises(SystemExit) as exit_info:
+        compare_cpu.parse_args(["--ascendserve-args", value])
+    assert exit_info.value.code == 2
+    assert "a level prefix is 'C='" in capsys.readouterr().err
+
+
+def test_a_level_prefix_and_plain_flags_parse():
+    compare_cpu = _module("compare_cpu")
+    ns = compare_cpu.parse_args(["--ascendserve-args", "C=1,16:--quantization int4", "--ascendserve-args", ""])
+    assert ns.ascendserve_args == ["C=1,16:--quantization int4", ""]
