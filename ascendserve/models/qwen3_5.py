@@ -155,7 +155,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         """The CPU ops when the step can run as the fused C++ ops (fp32 model and pools, SiLU conv), else None."""
         if qkvz.device.type != "cpu" or self.activation not in ("silu", "swish"):
             return None
-        if any(t.dtype != torch.float32 for t in (qkvz, *state, self.A_log, self.norm.weight)):
+        if any(t.dtype != torch.float32
+               for t in (qkvz, *state, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)):
             return None
         return cpu_kernels.ops()
 

@@ -8,7 +8,7 @@
 // (flush_denormals.h): strong decays otherwise made it 4x slower.
 //
 // Inputs are laid out as for gdn_decode (csrc/gdn_decode_cpu.cpp): qkvz [T, C + Hv*dv] and ba [T, 2*Hv]
-// (columns contiguous), sequences packed by cu_seqlens [B+1], pools indexed by slots [B];
+// (columns contiguous), sequences packed by cu_seqlens [B+1], pools indexed by slots [B] (distinct);
 // has_initial [B] False means the sequence starts from zero conv and recurrent states, whatever its
 // slot holds. Per chunk of L <= 64 tokens (transformers' torch_chunk_gated_delta_rule, l2norm in kernel),
 // with c = cumsum(g) inside the chunk and D[i][j] = exp(c_i - c_j) for j <= i:
@@ -247,7 +247,10 @@ void chunk_step(const Dims& d, const float* x, const float* ba, int64_t ba_strid
     }
   }
   // V' = U - W S
-  for (int64_t r = 0; r < len; ++r) std::copy(w.rhs.data() + r * width, w.rhs.data() + r * width + dv, w.vnew.data() + r * dv);
+  for (int64_t r = 0; r < len; ++r) {
+    const float* u = w.rhs.data() + r * width;
+    std::copy(u, u + dv, w.vnew.data() + r * dv);
+  }
   gemm_acc(len, dv, dk, -1.f, w.rhs.data() + dv, width, 1, s, dv, w.vnew.data(), dv);
   // O = diag(exp(c)) Q S + attn V'
   for (int64_t r = 0; r < len; ++r) {
