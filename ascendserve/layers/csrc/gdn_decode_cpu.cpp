@@ -26,12 +26,11 @@
 #include <vector>
 
 #include "flush_denormals.h"
+#include "gdn_common.h"
 
 namespace {
 
-inline float silu(float x) { return x / (1.f + std::exp(-x)); }
-
-inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }  // torch's threshold 20
+using namespace ascendserve_gdn;
 
 // x[b, c] = silu(sum_j window[j] w[c][j]) over window = [conv_states[slot][c][0 .. K-2], qkvz[b][c]]; the
 // state then drops its oldest column and takes qkvz[b][c].
@@ -53,45 +52,16 @@ void conv_step(const float* qkvz, int64_t qkvz_stride, const float* weight, int6
   });
 }
 
-// dst = src * rsqrt(sum(src^2) + 1e-6) * scale
-inline void l2norm_into(const float* src, int64_t n, float scale, float* dst) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += src[i] * src[i];
-  const float f = scale / std::sqrt(ss + 1e-6f);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * f;
-}
-
 at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, const at::Tensor& conv_weight,
                       const at::Tensor& conv_states, const at::Tensor& ssm_states, const at::Tensor& slots,
                       const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
                       int64_t num_k_heads, double norm_eps) {
-  const int64_t batch = qkvz.size(0), num_v_heads = ssm_states.size(1);
-  const int64_t dk = ssm_states.size(2), dv = ssm_states.size(3), width = conv_weight.size(1);
-  const int64_t key_dim = num_k_heads * dk, value_dim = num_v_heads * dv, channels = 2 * key_dim + value_dim;
-  for (const at::Tensor* t : {&qkvz, &ba, &conv_weight, &conv_states, &ssm_states, &A_log, &dt_bias, &norm_weight})
-    TORCH_CHECK(t->scalar_type() == at::kFloat, "gdn_decode: fp32 tensors expected");
-  TORCH_CHECK(qkvz.dim() == 2 && qkvz.stride(1) == 1 && qkvz.size(1) == channels + value_dim,
-              "gdn_decode: qkvz [B, 2*Hk*dk + 2*Hv*dv] with contiguous columns expected");
-  TORCH_CHECK(ba.dim() == 2 && ba.stride(1) == 1 && ba.size(0) == batch && ba.size(1) == 2 * num_v_heads,
-              "gdn_decode: ba [B, 2*Hv] with contiguous columns expected");
-  TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2 && conv_weight.size(0) == channels,
-              "gdn_decode: conv_weight [C, K] contiguous expected");
-  TORCH_CHECK(conv_states.is_contiguous() && conv_states.dim() == 3 && conv_states.size(1) == channels &&
-              conv_states.size(2) == width - 1 && ssm_states.is_contiguous() && ssm_states.dim() == 4 &&
-              conv_states.size(0) == ssm_states.size(0), "gdn_decode: contiguous pools [S, C, K-1] and "
-              "[S, Hv, dk, dv] expected");
-  TORCH_CHECK(num_k_heads > 0 && num_v_heads % num_k_heads == 0, "gdn_decode: Hv must be a multiple of Hk");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == batch,
-              "gdn_decode: slots [B] int64 expected");
-  TORCH_CHECK(A_log.numel() == num_v_heads && dt_bias.numel() == num_v_heads && norm_weight.numel() == dv &&
-              A_log.is_contiguous() && dt_bias.is_contiguous() && norm_weight.is_contiguous(),
-              "gdn_decode: A_log, dt_bias [Hv] and norm_weight [dv] expected");
+  const Dims d = checked_dims("gdn_decode", qkvz, ba, conv_weight, conv_states, ssm_states, slots, A_log, dt_bias,
+                              norm_weight, num_k_heads);
+  TORCH_CHECK(slots.numel() == qkvz.size(0), "gdn_decode: one slot per row expected");
+  const int64_t batch = qkvz.size(0), num_v_heads = d.hv, dk = d.dk, dv = d.dv, width = d.width;
+  const int64_t key_dim = d.key_dim, value_dim = d.value_dim, channels = d.channels;
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t num_slots = ssm_states.size(0);
-  for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "gdn_decode: slot ", slot[b], " out of range");
 
   at::Tensor x = at::empty({batch, channels}, qkvz.options());
   conv_step(qkvz.data_ptr<float>(), qkvz.stride(0), conv_weight.data_ptr<float>(), width,
@@ -142,12 +112,7 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, const at::Te
         }
       }
 
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < dv; ++j) ss += o[j] * o[j];
-      const float inv_rms = 1.f / std::sqrt(ss / static_cast<float>(dv) + eps);
-      const float* z = zs + b * qkvz_stride + h * dv;
-      for (int64_t j = 0; j < dv; ++j) o[j] = o[j] * inv_rms * nw[j] * silu(z[j]);
+      gated_rms_norm(o, zs + b * qkvz_stride + h * dv, nw, dv, eps);
     }
   });
   return out;

@@ -31,14 +31,13 @@
 #include <vector>
 
 #include "flush_denormals.h"
+#include "gdn_common.h"
 
 namespace {
 
+using namespace ascendserve_gdn;
+
 constexpr int64_t kChunk = 64;
-
-inline float silu(float x) { return x / (1.f + std::exp(-x)); }
-
-inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
 // One 4 x 64 tile of gemm_acc: 16 vector sums live in registers for the whole i loop.
 #if defined(__AVX512F__)
@@ -169,20 +168,6 @@ void conv_prefill(const float* qkvz, int64_t qkvz_stride, const float* weight, i
   }
 }
 
-inline float l2norm_into(const float* src, int64_t n, float scale, float* dst) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += src[i] * src[i];
-  const float f = scale / std::sqrt(ss + 1e-6f);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * f;
-  return f;
-}
-
-struct Dims {
-  int64_t hk, hv, dk, dv, channels, key_dim, value_dim;
-};
-
 // Chunk buffers of one work item; L2-sized for dk = dv = 128.
 struct Scratch {
   std::vector<float> q, k, kt, rhs, vnew, lower, attn, cum, beta;
@@ -275,38 +260,15 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
                        const at::Tensor& slots, const at::Tensor& has_initial, const at::Tensor& A_log,
                        const at::Tensor& dt_bias, const at::Tensor& norm_weight, int64_t num_k_heads,
                        double norm_eps) {
-  const int64_t num_tokens = qkvz.size(0), batch = slots.numel(), num_v_heads = ssm_states.size(1);
-  Dims d{num_k_heads, num_v_heads, ssm_states.size(2), ssm_states.size(3), 0, 0, 0};
-  d.key_dim = d.hk * d.dk;
-  d.value_dim = d.hv * d.dv;
-  d.channels = 2 * d.key_dim + d.value_dim;
-  const int64_t width = conv_weight.size(1);
-  for (const at::Tensor* t : {&qkvz, &ba, &conv_weight, &conv_states, &ssm_states, &A_log, &dt_bias, &norm_weight})
-    TORCH_CHECK(t->scalar_type() == at::kFloat, "gdn_prefill: fp32 tensors expected");
-  TORCH_CHECK(qkvz.dim() == 2 && qkvz.stride(1) == 1 && qkvz.size(1) == d.channels + d.value_dim,
-              "gdn_prefill: qkvz [T, 2*Hk*dk + 2*Hv*dv] with contiguous columns expected");
-  TORCH_CHECK(ba.dim() == 2 && ba.stride(1) == 1 && ba.size(0) == num_tokens && ba.size(1) == 2 * num_v_heads,
-              "gdn_prefill: ba [T, 2*Hv] with contiguous columns expected");
-  TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2 && conv_weight.size(0) == d.channels,
-              "gdn_prefill: conv_weight [C, K] contiguous expected");
-  TORCH_CHECK(conv_states.is_contiguous() && conv_states.dim() == 3 && conv_states.size(1) == d.channels &&
-              conv_states.size(2) == width - 1 && ssm_states.is_contiguous() && ssm_states.dim() == 4 &&
-              conv_states.size(0) == ssm_states.size(0), "gdn_prefill: contiguous pools [S, C, K-1] and "
-              "[S, Hv, dk, dv] expected");
-  TORCH_CHECK(num_k_heads > 0 && num_v_heads % num_k_heads == 0, "gdn_prefill: Hv must be a multiple of Hk");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && cu_seqlens.scalar_type() == at::kLong &&
-              cu_seqlens.is_contiguous() && cu_seqlens.numel() == batch + 1 &&
+  const Dims d = checked_dims("gdn_prefill", qkvz, ba, conv_weight, conv_states, ssm_states, slots, A_log, dt_bias,
+                              norm_weight, num_k_heads);
+  const int64_t num_tokens = qkvz.size(0), batch = slots.numel(), width = d.width;
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous() && cu_seqlens.numel() == batch + 1 &&
               has_initial.scalar_type() == at::kBool && has_initial.is_contiguous() && has_initial.numel() == batch,
               "gdn_prefill: cu_seqlens [B+1], slots [B] int64 and has_initial [B] bool expected");
-  TORCH_CHECK(A_log.numel() == num_v_heads && dt_bias.numel() == num_v_heads && norm_weight.numel() == d.dv &&
-              A_log.is_contiguous() && dt_bias.is_contiguous() && norm_weight.is_contiguous(),
-              "gdn_prefill: A_log, dt_bias [Hv] and norm_weight [dv] expected");
   const int64_t *cu = cu_seqlens.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
   TORCH_CHECK(cu[0] == 0 && cu[batch] == num_tokens, "gdn_prefill: cu_seqlens must run from 0 to T");
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(cu[b + 1] >= cu[b], "gdn_prefill: cu_seqlens must not decrease");
-    TORCH_CHECK(slot[b] >= 0 && slot[b] < ssm_states.size(0), "gdn_prefill: slot ", slot[b], " out of range");
-  }
+  for (int64_t b = 0; b < batch; ++b) TORCH_CHECK(cu[b + 1] >= cu[b], "gdn_prefill: cu_seqlens must not decrease");
 
   at::Tensor x = at::empty({num_tokens, d.channels}, qkvz.options());
   conv_prefill(qkvz.data_ptr<float>(), qkvz.stride(0), conv_weight.data_ptr<float>(), width,
@@ -332,15 +294,8 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
         const int64_t len = std::min(kChunk, cu[b + 1] - t0);
         float* o = o_all + t0 * d.value_dim + h * d.dv;
         chunk_step(d, xs, bas, ba_stride, std::exp(a_log[h]), dt[h], h, t0, len, s, w, o, d.value_dim);
-        for (int64_t r = 0; r < len; ++r) {  // gated RMSNorm of each output row
-          float* orow = o + r * d.value_dim;
-          const float* z = zs + (t0 + r) * qkvz_stride + h * d.dv;
-          float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-          for (int64_t j = 0; j < d.dv; ++j) ss += orow[j] * orow[j];
-          const float inv_rms = 1.f / std::sqrt(ss / static_cast<float>(d.dv) + eps);
-          for (int64_t j = 0; j < d.dv; ++j) orow[j] = orow[j] * inv_rms * nw[j] * silu(z[j]);
-        }
+        for (int64_t r = 0; r < len; ++r)  // gated RMSNorm of each output row
+          gated_rms_norm(o + r * d.value_dim, zs + (t0 + r) * qkvz_stride + h * d.dv, nw, d.dv, eps);
       }
     }
   });
