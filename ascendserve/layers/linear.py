@@ -127,7 +127,7 @@ class PackedLinear(nn.Module):
                 f"packed_rows={MIN_PACKED_ROWS}..{self.max_rows}{padded}")
 
 
-class _KernelLinear(nn.Module):
+class KernelLinear(nn.Module):
     """A linear with a CPU kernel for batches of up to max_rows rows and another path above."""
 
     max_rows = 0  # the kernel up to this many rows
@@ -156,7 +156,7 @@ class _KernelLinear(nn.Module):
                f"weight={self.weight_format} (fp32 compute)"
 
 
-class Bf16Linear(_KernelLinear):
+class Bf16Linear(KernelLinear):
     """y = x @ W.T + b, fp32 in and out, with W held as bf16 panels (exact for a bf16-valued weight)."""
 
     max_rows = BF16_KERNEL_MAX_ROWS
@@ -182,7 +182,7 @@ class Bf16Linear(_KernelLinear):
         return F.linear(x, self.kernels.bf16_unpack(self.packed, self.out_features), self.bias)
 
 
-class Q4Linear(_KernelLinear):
+class Q4Linear(KernelLinear):
     """The 4-bit copy (W = d * q + m per 32 inputs) of an fp32 layer, for batches of up to max_rows rows.
 
     Larger batches run the fp32 layer it wraps (`dense`: a PackedLinear, or the nn.Linear): there
@@ -300,7 +300,7 @@ def prepack_linears_(model: nn.Module) -> dict[str, int]:
             for name, child in list(parent.named_children()):
                 if not isinstance(child, nn.Linear) or not PackedLinear.supports(child):
                     continue
-                if compact and Bf16Linear.supports(child) and (kernels := _cpu_kernels()) is not None:
+                if compact and Bf16Linear.supports(child) and (kernels := tile_kernels()) is not None:
                     layer = Bf16Linear(child, kernels)
                     stats["bf16"] += 1
                     stats["bf16_bytes"] += layer.packed.numel() * 2
@@ -316,7 +316,7 @@ def prepack_linears_(model: nn.Module) -> dict[str, int]:
                     stats["weight_bytes"] += child.weight.numel() * child.weight.element_size()
                     stats["pack_bytes"] += layer.pack_bytes()
                 grid = find_q4_grid(child.weight.detach()) if compact else None
-                if grid is not None and (kernels := _cpu_kernels()) is not None:
+                if grid is not None and (kernels := tile_kernels()) is not None:
                     layer = Q4Linear(layer, grid, kernels)
                     stats["q4"] += 1
                     stats["q4_bytes"] += sum(t.numel() * t.element_size() for t in (layer.q, layer.scales, layer.mins))
@@ -340,7 +340,7 @@ def prepack_linears_(model: nn.Module) -> dict[str, int]:
     return stats
 
 
-def _cpu_kernels():
+def tile_kernels():
     """The CPU kernel namespace, None when they are turned off or did not build (cpu_kernels warns), or
     when this CPU has no AVX-512: the kernels' portable loops would be slower than MKL's fp32 GEMM."""
     from ascendserve.layers import cpu_kernels

@@ -27,12 +27,22 @@ AVX512-BF16, ms per call for SmolLM2's gate_up 3072x576:
     int8 4.0 ms, int4 2.1 ms; it always uses the kernel (LM_HEAD_KERNEL_MAX_ROWS). With tied embeddings the embedding keeps the dense tensor,
     so memory then grows by the quantized lm_head copy, while decode still reads fewer bytes.
 The output always has the input's (model) dtype.
+
+int4 on a CPU with the C++ kernels (AVX-512), fp32 model (what `--dtype auto` picks without native
+bf16): `GridInt4Linear` instead, W ~= d * q + m per group of GRID_GROUP inputs with fp32 d and m, kept
+in the 4-bit panel layout of csrc/q4_linear_cpu.cpp (the kernel a Q4_0 / Q4_1 GGUF's layers use,
+layers/linear.py) and multiplied in fp32: no bf16 rounding of the activations, and every layer
+shape fits (N is padded to the 32-row panel, so Qwen3.5's in_proj_ba is quantized too).
+0.625 bytes a weight (0.5 for q, 0.125 for d and m); llama.cpp's Q4_0 is 0.5625. Batches of up to
+GRID_KERNEL_MAX_ROWS rows use the kernel, larger ones the weight dequantized for the call + MKL's
+GEMM (no dense copy is kept); lm_head always the kernel.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ascendserve.layers.linear import KernelLinear, pack_q4, tile_kernels
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -45,6 +55,8 @@ INT_KERNEL_MAX_ROWS = {"int8": 32, "int4": 128}
 LM_HEAD_KERNEL_MAX_ROWS = 1 << 30
 INT4_GROUP_SIZES = (64, 32)  # preferred first; the first that divides in_features is used
 INT4_BLOCK_N = 64  # the CPU int4 pack interleaves 64 output rows (then one tail block), see _unpack_int4
+GRID_GROUP = 64  # inputs per (d, m) block of GridInt4Linear; 32 where 64 does not divide K
+GRID_KERNEL_MAX_ROWS = 256  # above, dequantize for the call and use F.linear, as Bf16Linear does above 256
 
 
 class WeightOnlyLinear(nn.Module):
@@ -128,6 +140,54 @@ class WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}{group}"
 
 
+class GridInt4Linear(KernelLinear):
+    """int4 for fp32 models on CPU: W ~= d * q + m per group of inputs, q in 0..15, fp32 d and m, fp32 compute.
+
+    Asymmetric round-to-nearest per group (d = (max - min) / 15, m = min), like llama.cpp's Q4_1 but
+    with fp32 d and m and GRID_GROUP inputs. Batches of up to max_rows rows run csrc/q4_linear_cpu.cpp's
+    kernel on the 4-bit panels; larger ones multiply the weight it dequantizes for the call (q4_unpack)
+    with F.linear.
+    """
+
+    weight_format = "int4 grid"
+
+    def __init__(self, linear: nn.Linear, kernels, max_rows: int | None = None) -> None:
+        super().__init__(linear, kernels)
+        self.max_rows = GRID_KERNEL_MAX_ROWS if max_rows is None else max_rows
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        weight = linear.weight.detach().float()
+        n, k = weight.shape
+        self.group_size = GRID_GROUP if k % GRID_GROUP == 0 else 32
+        blocks = weight.reshape(n, k // self.group_size, self.group_size)
+        lo, hi = blocks.amin(-1), blocks.amax(-1)
+        d = (hi - lo) / 15
+        q = ((blocks - lo[..., None]) / torch.where(d == 0, 1, d)[..., None]).round_().clamp_(0, 15)
+        q, scales, mins = pack_q4(q.to(torch.uint8).reshape(n, k), d, lo)
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("mins", mins, persistent=False)
+
+    @staticmethod
+    def supports(linear: nn.Linear) -> bool:
+        """An fp32 CPU layer with in_features a multiple of 32, on a CPU where the kernels built."""
+        weight = linear.weight
+        return (weight.dtype == torch.float32 and weight.device.type == "cpu" and linear.in_features % 32 == 0
+                and tile_kernels() is not None)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q4_linear(x, self.q, self.scales, self.mins, self.out_features, self.bias)
+
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(), self.bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense fp32 [N, K] weight this layer multiplies by."""
+        return self.kernels.q4_unpack(self.q, self.scales, self.mins, self.out_features)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", group_size={self.group_size}, kernel up to {self.max_rows} rows"
+
+
 def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """q [N, K] (uint8, 0..15) from `_convert_weight_to_int4pack_for_cpu`'s layout (torch 2.13, x86).
 
@@ -162,8 +222,11 @@ def quantize_model_(model: nn.Module, method: str) -> dict[str, int]:
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            if WeightOnlyLinear.supports(child, method):
-                rows = LM_HEAD_KERNEL_MAX_ROWS if name == "lm_head" else None
+            rows = LM_HEAD_KERNEL_MAX_ROWS if name == "lm_head" else None
+            if method == "int4" and GridInt4Linear.supports(child):
+                setattr(parent, name, GridInt4Linear(child, tile_kernels(), rows))
+                quantized += 1
+            elif WeightOnlyLinear.supports(child, method):
                 setattr(parent, name, WeightOnlyLinear(child, method, rows))
                 quantized += 1
             else:
@@ -176,5 +239,11 @@ def quantize_model_(model: nn.Module, method: str) -> dict[str, int]:
 
 
 def _weight_bytes(model: nn.Module) -> int:
-    # parameters() deduplicates tied tensors (embed_tokens / lm_head) by identity.
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the parameters and buffers (GridInt4Linear keeps its 4-bit weight as buffers), each
+    storage once: tied tensors (embed_tokens / lm_head) count once."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total

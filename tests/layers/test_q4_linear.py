@@ -83,6 +83,16 @@ def test_kernel_rejects_mismatched_inputs(kernels):
         kernels.q4_linear(torch.randn(3, 32), *packed, 40, None)
     with pytest.raises(RuntimeError, match="n=70 does not match 2 panels"):
         kernels.q4_linear(torch.randn(3, 64), *packed, 70, None)
+    q, scales, mins = packed
+    with pytest.raises(RuntimeError, match="K=64 is not 3 blocks of an even size"):
+        kernels.q4_unpack(q, scales.new_zeros(2, 3, 32), mins.new_zeros(2, 3, 32), 40)
+    with pytest.raises(RuntimeError, match="scales and mins must be"):
+        kernels.q4_unpack(q, scales, mins[:, :1].contiguous(), 40)
+
+
+def test_unpack_gives_the_grid_weight_back(kernels):
+    weight = _gguf_dequantized(40, 128, gguf.GGMLQuantizationType.Q4_0)
+    assert torch.equal(kernels.q4_unpack(*pack_q4(*find_q4_grid(weight)), 40), weight)
 
 
 def test_prepack_picks_bf16_or_fp32_with_a_q4_copy(kernels):

@@ -4,6 +4,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
@@ -13,7 +14,8 @@ from ascendserve.cli.main import build_parser
 from ascendserve.cli.serve import warn_no_effect_flags
 from ascendserve.config import EngineArgs
 from ascendserve.layers import quantization as q
-from ascendserve.layers.quantization import WeightOnlyLinear, _unpack_int4, quantize_model_
+from ascendserve.layers.linear import tile_kernels
+from ascendserve.layers.quantization import GridInt4Linear, WeightOnlyLinear, _unpack_int4, quantize_model_
 from tests.models.reference import make_prompts, randomize_
 from tests.models.test_qwen3_5_parity import TEXT as QWEN_TEXT
 from tests.models.test_qwen3_5_parity import randomize_ as qwen_randomize_
@@ -58,7 +60,8 @@ def test_kernel_choice_is_per_row_count(monkeypatch):
         calls.clear()
 
 
-def test_quantize_model_swaps_linears_and_keeps_unsupported_shapes_dense(caplog):
+def test_quantize_model_swaps_linears_and_keeps_unsupported_shapes_dense(caplog, monkeypatch):
+    monkeypatch.setattr(q, "tile_kernels", lambda: None)  # torch's int4 kernel (no AVX-512 tiles)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))  # N=8: no int4 kernel
     with caplog.at_level(logging.INFO):
         stats = quantize_model_(model, "int4")
@@ -73,6 +76,67 @@ def test_lm_head_always_uses_the_kernel():
     quantize_model_(model, "int8")
     assert model.proj.max_kernel_rows == q.INT_KERNEL_MAX_ROWS["int8"]
     assert model.lm_head.max_kernel_rows == q.LM_HEAD_KERNEL_MAX_ROWS
+
+
+# -- int4 on the 4-bit grid kernel (fp32 models on an AVX-512 CPU) ----------------------------------
+@pytest.fixture
+def grid_kernels():
+    kernels = tile_kernels()
+    if kernels is None:
+        pytest.skip("no AVX-512 tiles on this CPU: int4 uses torch's kernel (tested above)")
+    return kernels
+
+
+@pytest.mark.parametrize("k, group", [(256, 64), (96, 32)])  # K % 64 != 0: groups of 32
+@pytest.mark.parametrize("rows", [1, 7, 300])  # the kernel's tiles, then the dequantize path above 256
+def test_grid_int4_is_the_fp32_product_of_its_dequantized_weight(grid_kernels, k, group, rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(k, 40, bias=True)  # N=40: a padded 32-row panel, which torch's int4 pack cannot take
+    layer = GridInt4Linear(linear, grid_kernels)
+    assert layer.group_size == group and layer.scales.shape == (2, k // group, 32)
+    weight = layer.dequantize()
+    # On the grid: each group of a row is m + d * q with q in 0..15, d = (max - min) / 15, m = min.
+    blocks = linear.weight.detach().reshape(40, k // group, group)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    steps = (weight.reshape(40, k // group, group) - lo[..., None]) / ((hi - lo) / 15)[..., None]
+    assert (steps - steps.round()).abs().max() < 1e-3 and steps.round().min() == 0 and steps.round().max() == 15
+    # Round to nearest: within half a step of the original weight.
+    assert ((weight - linear.weight).abs().reshape(40, -1, group) <= ((hi - lo) / 30)[..., None] * 1.0001).all()
+    x = torch.randn(rows, k)
+    ref = F.linear(x.double(), weight.double(), linear.bias.double())
+    scale = F.linear(x.double().abs(), weight.double().abs(), linear.bias.double().abs())
+    assert ((layer(x).double() - ref).abs() <= 1e-5 * scale).all()
+
+
+def test_grid_int4_calls_the_kernel_up_to_its_row_limit(grid_kernels, monkeypatch):
+    layer = GridInt4Linear(nn.Linear(64, 32), grid_kernels, max_rows=4)
+    calls = []
+    monkeypatch.setattr(layer, "_kernel", lambda x, f=layer._kernel: calls.append(x.shape[0]) or f(x))
+    layer(torch.randn(4, 64))
+    layer(torch.randn(5, 64))
+    assert calls == [4]
+
+
+def test_int4_on_fp32_cpu_layers_uses_the_grid_kernel_for_every_shape(grid_kernels, caplog):
+    model = nn.Module()
+    model.proj, model.heads, model.lm_head = nn.Linear(64, 128), nn.Linear(128, 8), nn.Linear(64, 512, bias=False)
+    with caplog.at_level(logging.INFO):
+        stats = quantize_model_(model, "int4")
+    assert all(isinstance(m, GridInt4Linear) for m in (model.proj, model.heads, model.lm_head))
+    assert stats["quantized"] == 3 and stats["skipped"] == 0
+    assert model.proj.max_rows == q.GRID_KERNEL_MAX_ROWS and model.lm_head.max_rows == q.LM_HEAD_KERNEL_MAX_ROWS
+    # 0.625 bytes a weight with fp32 d and m per 64 inputs (N padded to 32-row panels), biases fp32.
+    assert stats["bytes_after"] == (128 * 64 + 32 * 128 + 512 * 64) * 5 // 8 + (128 + 8) * 4
+    assert "int4" in caplog.text
+
+
+def test_int8_and_bf16_models_keep_torch_kernels(grid_kernels):
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64).to(torch.bfloat16))
+    quantize_model_(model, "int4")
+    assert isinstance(model[0], GridInt4Linear) and isinstance(model[1], WeightOnlyLinear)
+    model = nn.Sequential(nn.Linear(64, 64))
+    quantize_model_(model, "int8")
+    assert isinstance(model[0], WeightOnlyLinear)
 
 
 # -- end to end: logprob drift of the greedy tokens against the unquantized engine ----------------------
@@ -131,7 +195,9 @@ def drift(request, tmp_path_factory):
 def test_int8_drift_is_small_and_int4_bounded(drift):
     stats = {m: (sum(d) / len(d), max(d)) for m, d in drift.items()}
     print("logprob drift (mean, max):", stats)
-    # Measured (llama, qwen3_5): int8 mean 0.009, 0.013 (max 0.02, 0.04); int4 mean 0.11, 0.14 (max 0.29, 0.46).
+    # Measured (llama, qwen3_5): int8 mean 0.009, 0.013 (max 0.02, 0.04); int4 on the grid kernel (fp32
+    # models on an AVX-512 CPU) mean 0.10, 0.13 (max 0.24, 0.32); int4 on torch's kernel mean 0.11, 0.14
+    # (max 0.29, 0.46).
     assert stats["int8"][0] < 0.04 and stats["int8"][1] < 0.15
     assert stats["int4"][0] < 0.3 and stats["int4"][1] < 1.5
     assert stats["int8"][0] < stats["int4"][0]

@@ -1,20 +1,23 @@
-// y = x @ W.T + b with W stored as 4-bit values on a per-32-input grid, W = d * q + m (fp32 compute).
+// y = x @ W.T + b with W stored as 4-bit values on a grid per block of G inputs, W = d * q + m (fp32
+// compute). G is the weight's (K / the scales' second size): 32 for a GGUF, 64 for --quantization int4.
 //
 // A Q4_0 / Q4_1 GGUF (the demo model) is dequantized at load to fp32 weights that are exactly such
 // a grid: every block of 32 inputs of a row holds m + d * q with q in 0..15 (Q4_1: m = the block's
 // minimum; Q4_0: m = -8 d). Keeping q (half a byte) and the block's d and m instead of the fp32
-// values is the same weight in an eighth of the bytes. The product is computed as
+// values is the same weight in an eighth of the bytes. `--quantization int4` rounds an fp32 or bf16
+// weight onto such a grid (layers/quantization.py). The product is computed as
 //     y[n] = sum over blocks g of ( d[n,g] * sum_{k in g} x[k] q[n,k]  +  m[n,g] * sum_{k in g} x[k] )
 // in fp32: the weights' own products, regrouped (a different rounding order, as any GEMM's).
 //
 // Packed layout (ascendserve/layers/linear.py, pack_q4): rows in panels of 32 (N padded with zero
 // rows), [N/32][K/2][32] bytes: for input pair kp, byte j = q[n][2kp] | q[n][2kp+1] << 4 for the
-// panel's row j; scales and mins [N/32][K/32][32] fp32. The micro-kernel is the bf16 one's (up to 6
+// panel's row j; scales and mins [N/32][K/G][32] fp32. The micro-kernel is the bf16 one's (up to 6
 // x-rows by 32 outputs in registers, x broadcast, one panel streamed front to back), with a block
-// accumulator folded into the output at the end of each block of 32 inputs.
+// accumulator folded into the output at the end of each block of G inputs.
 
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "panel_linear.h"
@@ -27,13 +30,13 @@ namespace {
 
 using ascendserve_panel::kMaxRows;
 using ascendserve_panel::kPanel;
-constexpr int64_t kGroup = 32;   // inputs per (d, m) block
 constexpr int64_t kPrefetchPairs = 64;  // input pairs (32 bytes each) prefetched ahead
 
 struct Q4Panel {
   const uint8_t* q;      // [K/2][32]
-  const float* scales;   // [K/32][32]
-  const float* mins;     // [K/32][32]
+  const float* scales;   // [K/G][32]
+  const float* mins;     // [K/G][32]
+  int64_t group;         // G, inputs per (d, m) block
 };
 
 // Any CPU: the same tile in plain C++ (also the reference the AVX-512 path is tested against).
@@ -42,7 +45,7 @@ void tile_portable(int rows, const float* x, const float* xsum, int64_t ldx, int
   float acc[kMaxRows][kPanel] = {};
   for (int64_t g = 0; g < groups; ++g) {
     float block[kMaxRows][kPanel] = {};
-    for (int64_t kp = g * kGroup / 2; kp < (g + 1) * kGroup / 2; ++kp) {
+    for (int64_t kp = g * w.group / 2; kp < (g + 1) * w.group / 2; ++kp) {
       const uint8_t* bytes = w.q + kp * kPanel;
       for (int m = 0; m < rows; ++m) {
         const float xe = x[m * ldx + 2 * kp], xo = x[m * ldx + 2 * kp + 1];
@@ -69,7 +72,7 @@ void tile_avx512(const float* x, const float* xsum, int64_t ldx, int64_t groups,
   for (int64_t g = 0; g < groups; ++g) {
     __m512 block[ROWS][2];
     for (int m = 0; m < ROWS; ++m) block[m][0] = block[m][1] = _mm512_setzero_ps();
-    for (int64_t kp = g * kGroup / 2; kp < (g + 1) * kGroup / 2; ++kp) {
+    for (int64_t kp = g * w.group / 2; kp < (g + 1) * w.group / 2; ++kp) {
       const uint8_t* bytes = w.q + kp * kPanel;
       _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchPairs * kPanel), _MM_HINT_T0);
       const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
@@ -123,29 +126,33 @@ void tile_fast(int rows, const float* x, const float* xsum, int64_t ldx, int64_t
 }
 #endif
 
-void check_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins, int64_t n, const char* op) {
+// The weight's block size G (inputs per d and m), after checking the pack's shapes.
+int64_t check_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins, int64_t n, const char* op) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(2) == kPanel, op,
               ": q must be [N/32, K/2, 32] uint8");
-  const int64_t panels = q.size(0), groups = q.size(1) * 2 / kGroup;
-  TORCH_CHECK(q.size(1) * 2 % kGroup == 0, op, ": K must be a multiple of ", kGroup);
+  const int64_t panels = q.size(0), k = 2 * q.size(1);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(1) > 0, op, ": scales must be [N/32, K/G, 32] fp32");
+  const int64_t groups = scales.size(1), group = k / groups;
+  TORCH_CHECK(group * groups == k && group % 2 == 0, op, ": K=", k, " is not ", groups, " blocks of an even size");
   for (const at::Tensor* t : {&scales, &mins})
     TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == panels &&
-                t->size(1) == groups && t->size(2) == kPanel, op, ": scales and mins must be [N/32, K/32, 32] fp32");
+                t->size(1) == groups && t->size(2) == kPanel, op, ": scales and mins must be [N/32, K/G, 32] fp32");
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, op, ": n=", n, " does not match ", panels, " panels");
+  return group;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
                   int64_t n, const c10::optional<at::Tensor>& bias, bool portable) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "q4_linear: x must be a contiguous fp32 [M, K] tensor");
-  check_pack(q, scales, mins, n, "q4_linear");
-  const int64_t m_rows = x.size(0), k = x.size(1), panels = q.size(0), groups = k / kGroup;
+  const int64_t group = check_pack(q, scales, mins, n, "q4_linear");
+  const int64_t m_rows = x.size(0), k = x.size(1), panels = q.size(0), groups = scales.size(1);
   TORCH_CHECK(k == 2 * q.size(1), "q4_linear: x has ", k, " columns, the weight ", 2 * q.size(1));
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "q4_linear");
   at::Tensor out = at::empty({m_rows, n}, x.options());
   if (m_rows == 0) return out;
-  // Each row's sum over each block of 32 inputs (the mins' factor), once per call.
-  at::Tensor xsum = x.view({m_rows, groups, kGroup}).sum(-1).contiguous();
+  // Each row's sum over each block of G inputs (the mins' factor), once per call.
+  at::Tensor xsum = x.view({m_rows, groups, group}).sum(-1).contiguous();
   const float* x_ptr = x.data_ptr<float>();
   const float* xsum_ptr = xsum.data_ptr<float>();
   const uint8_t* q_ptr = q.data_ptr<uint8_t>();
@@ -153,7 +160,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sc
   const float* m_ptr = mins.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   ascendserve_panel::for_each_tile(m_rows, k, n, panels, [&](int64_t p, int64_t m0, int rows, int64_t cols) {
-    const Q4Panel w{q_ptr + p * (k / 2) * kPanel, d_ptr + p * groups * kPanel, m_ptr + p * groups * kPanel};
+    const Q4Panel w{q_ptr + p * (k / 2) * kPanel, d_ptr + p * groups * kPanel, m_ptr + p * groups * kPanel, group};
     (portable ? tile_portable : tile_fast)(rows, x_ptr + m0 * k, xsum_ptr + m0 * groups, k, groups, w,
                                            out_ptr + m0 * n + p * kPanel, n, cols,
                                            bias_ptr ? bias_ptr + p * kPanel : nullptr);
@@ -171,11 +178,42 @@ at::Tensor q4_linear_portable(const at::Tensor& x, const at::Tensor& q, const at
   return linear(x, q, scales, mins, n, bias, true);
 }
 
+// The dense fp32 [N, K] weight, d * q + m per block (for batches where MKL's GEMM on it is faster).
+// Threads split the rows; each row is written front to back, its panel's bytes read with a stride
+// (the panel, K/2 x 32 bytes, stays in L2 while its 32 rows are written).
+at::Tensor q4_unpack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins, int64_t n) {
+  const int64_t group = check_pack(q, scales, mins, n, "q4_unpack");
+  const int64_t k = 2 * q.size(1), groups = scales.size(1);
+  at::Tensor out = at::empty({n, k}, scales.options());
+  const uint8_t* q_ptr = q.data_ptr<uint8_t>();
+  const float* d_ptr = scales.data_ptr<float>();
+  const float* m_ptr = mins.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, n, kPanel, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t p = row / kPanel, j = row % kPanel;
+      const uint8_t* bytes = q_ptr + p * (k / 2) * kPanel + j;
+      float* dst = out_ptr + row * k;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float d = d_ptr[(p * groups + g) * kPanel + j], mn = m_ptr[(p * groups + g) * kPanel + j];
+        for (int64_t kp = g * group / 2; kp < (g + 1) * group / 2; ++kp) {
+          const uint8_t b = bytes[kp * kPanel];
+          dst[2 * kp] = d * static_cast<float>(b & 15) + mn;
+          dst[2 * kp + 1] = d * static_cast<float>(b >> 4) + mn;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("q4_linear(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
   m.def("q4_linear_portable(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
+  m.def("q4_unpack(Tensor q, Tensor scales, Tensor mins, int n) -> Tensor");
   m.impl("q4_linear", c10::DispatchKey::CPU, TORCH_FN(q4_linear));
+  m.impl("q4_unpack", c10::DispatchKey::CPU, TORCH_FN(q4_unpack));
   m.impl("q4_linear_portable", c10::DispatchKey::CPU, TORCH_FN(q4_linear_portable));
 }
