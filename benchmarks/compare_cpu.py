@@ -286,9 +286,10 @@ def _ascendserve(ns, model: Model, params: int, fast_bf16: bool, ctx: int, extra
     env = dict(t.split("=", 1) for t in tokens if ENV_ASSIGNMENT.match(t))  # leading NAME=value, as in a shell
     flags = [t for t in tokens if not ENV_ASSIGNMENT.match(t)]
     weights, nbytes = dtype, params * BYTES_PER_PARAM[dtype]
-    if "--quantization" in flags:  # weight-only: 1 byte (int8) or half a byte (int4) per weight, scales aside
-        weights = flags[flags.index("--quantization") + 1]
-        nbytes = params * {"int8": 1, "int4": 0.5}[weights]
+    if "--quantization" in flags:  # weight-only (layers/quantization.py), bytes per weight with the scales:
+        weights = flags[flags.index("--quantization") + 1]  # int8: 1 (+ one scale a row); int4 in fp32: 0.5 +
+        # fp32 d and m per 64 inputs (the grid kernel); int4 in bf16: 0.5 + bf16 scale and zero per 64
+        nbytes = params * {"int8": 1, "int4": 0.625 if dtype == "float32" else 0.5625}[weights]
     elif dtype == "float32" and _checkpoint_dtype(model.ascendserve_path) == "bfloat16" \
             and env.get("ASCENDSERVE_COMPACT_WEIGHTS", "1").lower() not in ("0", "off", "false", "no"):
         weights, nbytes = "bf16 weights, fp32 compute", params * 2  # layers/linear.py Bf16Linear

@@ -3,6 +3,16 @@
 import torch
 from torch import nn
 
+from ascendserve.layers import cpu_kernels
+
+
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor):
+    """The CPU op (csrc/rms_norm_cpu.cpp) for fp32 x and weight outside a compiled forward, else None."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() <= 4
+            and not torch.compiler.is_compiling()):
+        return cpu_kernels.ops()
+    return None
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w, computed in fp32 and cast back, as transformers' LlamaRMSNorm."""
@@ -13,6 +23,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (kernels := _rms_norm_op(x, self.weight)) is not None:
+            return kernels.rms_norm(x, self.weight, self.eps, False)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -28,6 +40,8 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (kernels := _rms_norm_op(x, self.weight)) is not None:
+            return kernels.rms_norm(x, self.weight, self.eps, True)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)

@@ -1,0 +1,64 @@
+"""RMSNorm / GemmaRMSNorm: the CPU rms_norm op (csrc/rms_norm_cpu.cpp) against transformers' own norms."""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+from ascendserve.layers import cpu_kernels
+from ascendserve.layers.norm import GemmaRMSNorm, RMSNorm
+
+EPS = 1e-6
+
+
+def _pair(gemma: bool, hidden: int, seed: int = 0):
+    """(ours, transformers') with the same random weight."""
+    ours = GemmaRMSNorm(hidden, EPS) if gemma else RMSNorm(hidden, EPS)
+    theirs = Qwen3_5RMSNorm(hidden, eps=EPS) if gemma else LlamaRMSNorm(hidden, eps=EPS)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(seed)) * 0.5)
+        theirs.weight.copy_(ours.weight)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1024), (3, 7, 64), (5, 2, 3, 256), (0, 32), (1, 1)])
+def test_op_matches_transformers(kernels, gemma, shape):
+    ours, theirs = _pair(gemma, shape[-1])
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 3
+    out = ours(x)
+    assert out.shape == x.shape and out.is_contiguous()
+    torch.testing.assert_close(out, theirs(x), atol=1e-5, rtol=1e-5)
+
+
+def test_op_reads_heads_split_out_of_a_fused_projection(kernels):
+    # k of Qwen3.5's attention: columns 512..1023 of a [T, 2048] projection, viewed as [T, heads, 256]:
+    # rows 256 apart within a token, tokens 2048 apart.
+    ours, theirs = _pair(True, 256)
+    fused = torch.randn(6, 2048, generator=torch.Generator().manual_seed(2))
+    k = fused[:, 512:1024].view(6, 2, 256)
+    assert not k.is_contiguous()
+    torch.testing.assert_close(ours(k), theirs(k.contiguous()), atol=1e-5, rtol=1e-5)
+    q = fused.view(6, 4, 512).chunk(2, dim=-1)[0]  # the query half of each head's [query | gate]
+    torch.testing.assert_close(ours(q), theirs(q.contiguous()), atol=1e-5, rtol=1e-5)
+
+
+def test_op_bad_inputs_are_errors(kernels):
+    with pytest.raises(RuntimeError, match="weight must be a contiguous fp32 \\[8\\]"):
+        kernels.rms_norm(torch.zeros(2, 8), torch.zeros(4), EPS, False)
+    with pytest.raises(RuntimeError, match="last one contiguous"):
+        kernels.rms_norm(torch.zeros(8, 2).T, torch.zeros(8), EPS, False)
+    with pytest.raises(RuntimeError, match="fp32"):
+        kernels.rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(8), EPS, False)
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_norms_use_the_op_for_fp32_only(kernels, monkeypatch, gemma):
+    calls = []
+    monkeypatch.setitem(cpu_kernels._state, "ops", type("Ops", (), {
+        "rms_norm": staticmethod(lambda *a: calls.append(a[0].dtype) or kernels.rms_norm(*a))}))
+    ours, theirs = _pair(gemma, 16)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+    ours.to(torch.bfloat16)(x.bfloat16())  # the torch form
+    assert calls == [torch.float32]
