@@ -50,8 +50,8 @@ def keep_freed_memory() -> bool:
         reason = "the C library is not glibc"
     else:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
-        if not all(mallopt(option, value) for option, value in ((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, MALLOC_KEEP_BYTES),
-                                                                (_M_TRIM_THRESHOLD, MALLOC_KEEP_BYTES))):
+        settings = ((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, MALLOC_KEEP_BYTES), (_M_TRIM_THRESHOLD, MALLOC_KEEP_BYTES))
+        if not all(mallopt(option, value) for option, value in settings):
             reason = "glibc refused the settings"
     _malloc_state["applied"] = reason is None
     if reason is None:
