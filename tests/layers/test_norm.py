@@ -60,5 +60,7 @@ def test_norms_use_the_op_for_fp32_only(kernels, monkeypatch, gemma):
     ours, theirs = _pair(gemma, 16)
     x = torch.randn(3, 16)
     torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+    columns = torch.randn(16, 3).T  # last dimension strided: the torch form
+    torch.testing.assert_close(ours(columns), theirs(columns), atol=1e-5, rtol=1e-5)
     ours.to(torch.bfloat16)(x.bfloat16())  # the torch form
     assert calls == [torch.float32]
