@@ -45,7 +45,6 @@ class LLMEngine:
             return ModelRunner(config, model, plan_kv_cache(config, model))
 
         self.runner = self._model_thread.submit(build_runner).result()
-        config.platform.after_load()
         num_blocks = self.runner.num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, config.args.block_size, config.enable_prefix_caching)
         self.state_cache_manager = (StateCacheManager(self.runner.num_state_slots)

@@ -22,12 +22,9 @@ CPU_KV_CACHE_MAX_BYTES = 4 << 30
 # arena, above its 64 MiB heaps) is a fresh mmap, returned to the kernel when freed: a prefill step's
 # activations (2048 tokens x 8192 fp32 = 64 MiB for one projection) are page-faulted in anew on every
 # layer of every step, at ~3 GB/s. With one arena (the main one, grown by brk) and blocks up to 1 GiB
-# taken from it and kept after free, the next step reuses the pages. The arena is set before the
-# engine's threads start; the thresholds only once the model and the KV cache are allocated, after
-# returning what loading freed (malloc_trim), else the load's temporaries stayed resident (+1.7 GB
-# on the Qwen3.5-0.8B shape). Measured there, one 8 x 256-token prefill step (2 threads, three steps,
-# two or three processes each): 12.9-16.2 s -> 10.3-12.3 s; decode steps unchanged; resident memory
-# after the prefills 7.26-7.43 GB without, 7.25-7.30 GB with.
+# taken from it and kept after free, the next step reuses the pages. Measured on the Qwen3.5-0.8B
+# shape, one 8 x 256-token prefill step (2 threads, three steps, two processes each): 13.2-16.2 s ->
+# 10.4-12.1 s; decode steps unchanged. Memory: freed blocks stay resident up to the step's peak.
 MALLOC_KEEP_BYTES = 1 << 30
 MALLOC_ENV_VAR = "ASCENDSERVE_CPU_MALLOC"  # 0: leave glibc's malloc settings alone
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's <malloc.h>
@@ -35,15 +32,15 @@ _USER_MALLOC_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_T
 _malloc_state: dict = {}
 
 
-def use_one_malloc_arena() -> bool:
-    """Step 1, before the engine starts its threads (a thread keeps the arena it started on): one arena.
+def keep_freed_memory() -> bool:
+    """Set glibc malloc to one arena that keeps freed blocks up to MALLOC_KEEP_BYTES; once per process.
 
-    Decided once per process; True when applied. Not applied, with one log line saying why:
-    ASCENDSERVE_CPU_MALLOC=0, the user's own MALLOC_* / GLIBC_TUNABLES settings (they win), or a C
-    library other than glibc.
+    True when applied (now or before). Not applied, with one log line saying why: ASCENDSERVE_CPU_MALLOC=0,
+    the user's own MALLOC_* / GLIBC_TUNABLES settings (they win), or a C library other than glibc.
+    Must run before the model thread's first allocation: a thread keeps the arena it started on.
     """
-    if "libc" in _malloc_state or "reason" in _malloc_state:
-        return "libc" in _malloc_state
+    if "applied" in _malloc_state:
+        return _malloc_state["applied"]
     reason = None
     if env_switch(MALLOC_ENV_VAR) is False:
         reason = f"{MALLOC_ENV_VAR}=0"
@@ -52,31 +49,18 @@ def use_one_malloc_arena() -> bool:
     elif host_platform.libc_ver()[0] != "glibc":
         reason = "the C library is not glibc"
     else:
-        libc = ctypes.CDLL("libc.so.6")
-        if libc.mallopt(_M_ARENA_MAX, 1):
-            _malloc_state["libc"] = libc
-        else:
-            reason = "glibc refused M_ARENA_MAX"
-    if reason is not None:
-        _malloc_state["reason"] = reason
-        logger.info("CPU: malloc settings left as they are (%s)", reason)
-    return reason is None
-
-
-def keep_freed_blocks() -> None:
-    """Step 2, once the model and its caches are allocated: give back what loading freed, then keep freed
-    blocks of up to MALLOC_KEEP_BYTES for reuse. A no-op where step 1 was not applied."""
-    libc = _malloc_state.get("libc")
-    if libc is None:
-        return
-    libc.malloc_trim(0)
-    if not (libc.mallopt(_M_MMAP_THRESHOLD, MALLOC_KEEP_BYTES) and libc.mallopt(_M_TRIM_THRESHOLD, MALLOC_KEEP_BYTES)):
-        logger.info("CPU: malloc thresholds left as they are (glibc refused them)")
-    elif not _malloc_state.get("logged"):
-        _malloc_state["logged"] = True
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+        settings = ((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, MALLOC_KEEP_BYTES), (_M_TRIM_THRESHOLD, MALLOC_KEEP_BYTES))
+        if not all(mallopt(option, value) for option, value in settings):
+            reason = "glibc refused the settings"
+    _malloc_state["applied"] = reason is None
+    if reason is None:
         logger.info("CPU: malloc keeps freed blocks of up to %d MiB for reuse (one arena), so large activations "
                     "are not page-faulted in again every step; %s=0 turns this off", MALLOC_KEEP_BYTES >> 20,
                     MALLOC_ENV_VAR)
+    else:
+        logger.info("CPU: malloc settings left as they are (%s)", reason)
+    return _malloc_state["applied"]
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -135,10 +119,7 @@ class CpuPlatform(Platform):
             return pages, pages
 
     def configure_process(self) -> None:
-        use_one_malloc_arena()
-
-    def after_load(self) -> None:
-        keep_freed_blocks()
+        keep_freed_memory()
 
     def default_kv_cache_bytes(self, gpu_memory_utilization: float, weight_bytes: int) -> int:
         free, _ = self.mem_get_info()

@@ -47,8 +47,5 @@ class Platform:
     def configure_process(self) -> None:
         """Process-wide settings this platform wants, applied before the engine starts its threads."""
 
-    def after_load(self) -> None:
-        """Called once the model and its caches are allocated, before the first step."""
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
