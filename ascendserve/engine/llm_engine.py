@@ -35,7 +35,6 @@ class LLMEngine:
         # thread, whichever thread drives the engine: a second thread running parallel torch ops
         # gets its own OpenMP team, and with more OpenMP threads than cores libgomp stops spinning
         # between regions, which made a server's decode step 1.5x slower on 2 cores.
-        config.platform.configure_process()
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="ascendserve-model")
         self.tokenizer = load_tokenizer(config.model_path, config.args)
         self.eos_token_ids = eos_token_ids(config.model_path, self.tokenizer, config.hf_config)

@@ -44,8 +44,5 @@ class Platform:
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on CPU)."""
 
-    def configure_process(self) -> None:
-        """Process-wide settings this platform wants, applied before the engine starts its threads."""
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
