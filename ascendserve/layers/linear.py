@@ -249,10 +249,15 @@ def find_q4_grid(weight: torch.Tensor, rows_per_pass: int = 4096):
     return torch.cat(qs), torch.cat(ds), torch.cat(ms)
 
 
-def _fit_grid(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
-    """(fits per block, q, d, m): q = round((w - m) / d) in 0..15, and whether d * q + m gives every w back."""
+def round_to_grid(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """q = round((w - m) / d) in 0..15 (as floats) for blocks [..., G] of w with one d and m each (d == 0: q = 0)."""
     safe = torch.where(d == 0, torch.ones_like(d), d)
-    q = ((blocks - m[..., None]) / safe[..., None]).round_().clamp_(0, 15)
+    return ((blocks - m[..., None]) / safe[..., None]).round_().clamp_(0, 15)
+
+
+def _fit_grid(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    """(fits per block, q, d, m): q = round_to_grid(w), and whether d * q + m gives every w back."""
+    q = round_to_grid(blocks, d, m)
     tol = blocks.abs().amax(-1) * 2.0 ** -20
     return (q * d[..., None] + m[..., None] - blocks).abs().amax(-1) <= tol, q, d, m
 

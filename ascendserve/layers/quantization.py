@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascendserve.layers.linear import KernelLinear, pack_q4, tile_kernels
+from ascendserve.layers.linear import KernelLinear, pack_q4, round_to_grid, tile_kernels
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -161,8 +161,8 @@ class GridInt4Linear(KernelLinear):
         blocks = weight.reshape(n, k // self.group_size, self.group_size)
         lo, hi = blocks.amin(-1), blocks.amax(-1)
         d = (hi - lo) / 15
-        q = ((blocks - lo[..., None]) / torch.where(d == 0, 1, d)[..., None]).round_().clamp_(0, 15)
-        q, scales, mins = pack_q4(q.to(torch.uint8).reshape(n, k), d, lo)
+        q = round_to_grid(blocks, d, lo).to(torch.uint8).reshape(n, k)
+        q, scales, mins = pack_q4(q, d, lo)
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("mins", mins, persistent=False)
