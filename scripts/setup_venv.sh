@@ -19,3 +19,15 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[test]"
   echo "$WANT" > "$STAMP"
 fi
+# tcmalloc: `ascendserve` restarts itself under it on CPU (ascendserve/cli/allocator.py; prefill page faults).
+# Installed where this script may (root with apt-get); elsewhere one line says how, and glibc's malloc is used.
+if ! ldconfig -p 2>/dev/null | grep -q 'libtcmalloc'; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] installing libtcmalloc-minimal4 (apt-get)"
+    apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; } \
+      || echo "[setup] could not install libtcmalloc-minimal4: running with glibc's malloc"
+  else
+    echo "[setup] tcmalloc not found: 'apt install libtcmalloc-minimal4' (or your distro's gperftools) speeds up CPU prefill"
+  fi
+fi

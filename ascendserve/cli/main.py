@@ -18,7 +18,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `ascendserve` console script."""
+    """Entry point of the `ascendserve` console script (argv None: the process's own command line)."""
+    if argv is None:
+        from ascendserve.cli import allocator
+        allocator.restart_with_preloaded_malloc()  # returns unless it restarts the process under tcmalloc
+        line = allocator.describe(sys.argv[1:])
+        if line:
+            from ascendserve.logger import init_logger
+            init_logger("ascendserve.cli.main").info(line)
     args = build_parser().parse_args(argv)
     return args.func(args) or 0
 
