@@ -27,8 +27,9 @@ def _bf16_valued_linear(k: int, n: int, bias: bool, seed: int = 0) -> nn.Linear:
 
 # (K, N): N below, at and between multiples of the 32-row panel; K small, SmolLM2's and Qwen3.5's.
 SHAPES = [(2, 1), (10, 37), (64, 64), (576, 96), (1024, 200)]
-# Rows around the 6-row register tile, the 256 KiB row chunk (64 rows at K=1024), and the kernel limit.
-ROWS = [1, 2, 5, 6, 7, 12, 13, 63, 64, 65, 130, 256, 257, 300]
+# Every tile height (1-6 with even / odd accumulators, 7-12 merged), blocks of 12 with remainders, the
+# 256 KiB row chunk (64 rows at K=1024), and the kernel limit.
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 24, 25, 63, 64, 65, 130, 256, 257, 300]
 
 
 @pytest.mark.parametrize("k,n", SHAPES)
