@@ -52,7 +52,9 @@ def _step(context_lens, num_heads, num_kv_heads, head_dim, seed):
     return q, k, v, cache, meta, histories
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 2, 32), (4, 4, 16)])
+# SmolLM2's heads, Qwen3.5's (head_dim 256), and head_dims that are not a multiple of the AVX-512 width.
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 2, 32), (4, 4, 16), (8, 2, 256),
+                                                               (4, 2, 24), (2, 1, 8)])
 def test_decode_matches_dense_attention_over_the_context(num_heads, num_kv_heads, head_dim, decode_path):
     context_lens = [1, 5, 8, 13, 30]  # block edges and a one-token context; tables padded to the longest
     q, k, v, cache, meta, histories = _step(context_lens, num_heads, num_kv_heads, head_dim, seed=0)
@@ -61,6 +63,17 @@ def test_decode_matches_dense_attention_over_the_context(num_heads, num_kv_heads
         ks, vs = torch.cat([past[0], k[i:i + 1]]), torch.cat([past[1], v[i:i + 1]])
         ref = _dense_reference(q[i], ks, vs, head_dim ** -0.5)
         torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_softmax_over_long_contexts_and_large_scores(decode_path):
+    # Scores far apart (q scaled up) and contexts past one 16-lane chunk with a ragged tail: the kernel's
+    # polynomial exp and its masked loads, against SDPA.
+    q, k, v, cache, meta, histories = _step([1, 17, 64, 301], 9, 3, 64, seed=3)
+    q = q * 6
+    out = paged_attention(q, k, v, cache, meta, 64 ** -0.5)
+    for i, past in enumerate(histories):
+        ks, vs = torch.cat([past[0], k[i:i + 1]]), torch.cat([past[1], v[i:i + 1]])
+        torch.testing.assert_close(out[i], _dense_reference(q[i], ks, vs, 64 ** -0.5), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -11,6 +11,14 @@
 //
 // Per request b and kv head h: scores[g][t] = scale * q[g] . K[t]  (pass over K), softmax over t per g, then
 // out[g] = sum_t p[g][t] V[t]  (pass over V). Accumulation in fp32 for every cache dtype.
+//
+// fp32 caches with head_dim a multiple of 16 take AVX-512 loops (where built for it): a dot product per
+// (query row, token) in registers, exp by a polynomial 16 lanes at a time, and the V pass accumulating a
+// query row's 64-float slices in registers over a block's tokens. The portable loops below them ran at
+// ~11 GB/s with the cache in L2/L3 (demo shapes, 8 requests x 320 tokens): bound by instructions (a
+// scalar exp per score, a reduction and the accumulator's loads and stores per token), not by memory.
+// 30 demo layers, 64 requests x 320 tokens from DRAM, both kernels in one process: 103-132 -> 84-87 ms
+// (a torch sum over the same bytes: 52 ms).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,9 +26,125 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+#if defined(__AVX512F__)
+// exp(x), 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative
+// error ~1e-7, below fp32's epsilon), times 2^n by vscalefps. Inputs are clamped to [-88, 88].
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts (Cephes)
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[0 .. n) = exp(s - max(s)); returns the sum.
+inline float softmax_numerators(float* s, int64_t n) {
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 m = n - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - t)) - 1);
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, s + t));
+  }
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 m = n - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx));
+    _mm512_mask_storeu_ps(s + t, m, e);
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+
+// acc[0 .. 16 NV) += sum_r p[r] v_r[0 .. 16 NV), v_r = v + r * stride: NV accumulators in registers.
+template <int NV>
+inline void weighted_rows(const float* v, int64_t stride, const float* p, int64_t rows, float* acc) {
+  __m512 a[NV];
+  for (int c = 0; c < NV; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 pr = _mm512_set1_ps(p[r]);
+    for (int c = 0; c < NV; ++c) a[c] = _mm512_fmadd_ps(pr, _mm512_loadu_ps(v + r * stride + 16 * c), a[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+
+// s[r] = q . k_r for r < rows, k_r = k + r * stride, over 16 * chunks floats (NC: chunks known at compile
+// time, 0: not).
+template <int NC>
+inline void dots(const float* q, const float* k, int64_t stride, int64_t rows, int64_t chunks, float* s) {
+  const int64_t nc = NC > 0 ? NC : chunks;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* kt = k + r * stride;
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(kt));
+    for (int64_t c = 1; c < nc; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(kt + 16 * c), a);
+    s[r] = _mm512_reduce_add_ps(a);
+  }
+}
+
+// One work item (request, kv heads h0 .. h0 + heads - 1) of fp32 attention; qf holds the scaled queries
+// [heads * group, D], scores has room for [heads * group, len], acc for [heads * group, D].
+void item_f32_avx512(const float* qf, const float* k_ptr, const float* v_ptr, const int64_t* table, int64_t len,
+                     int64_t h0, int64_t heads, int64_t group, int64_t head_dim, int64_t block_size,
+                     int64_t token_stride, int64_t block_stride, float* scores, float* acc, float* out) {
+  const int64_t rows_per_item = heads * group;
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const float* kb = k_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
+    const int64_t rows = std::min(block_size, len - t0);
+    for (int64_t j = 0; j < rows_per_item; ++j) {  // query row j reads kv head h0 + j / group
+      const float* qj = qf + j * head_dim;
+      const float* kh = kb + (j / group) * head_dim;
+      float* sj = scores + j * len + t0;
+      switch (head_dim) {  // the usual sizes with the loop unrolled
+        case 64: dots<4>(qj, kh, token_stride, rows, 4, sj); break;
+        case 128: dots<8>(qj, kh, token_stride, rows, 8, sj); break;
+        case 256: dots<16>(qj, kh, token_stride, rows, 16, sj); break;
+        default: dots<0>(qj, kh, token_stride, rows, head_dim / 16, sj); break;
+      }
+    }
+  }
+  std::vector<float> inv_sum(rows_per_item);
+  for (int64_t j = 0; j < rows_per_item; ++j) inv_sum[j] = 1.f / softmax_numerators(scores + j * len, len);
+  std::fill(acc, acc + rows_per_item * head_dim, 0.f);
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const float* vb = v_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
+    const int64_t rows = std::min(block_size, len - t0);
+    for (int64_t j = 0; j < rows_per_item; ++j) {
+      const float* vh = vb + (j / group) * head_dim;
+      const float* pj = scores + j * len + t0;
+      float* aj = acc + j * head_dim;
+      for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+        switch (std::min<int64_t>(4, (head_dim - d0) / 16)) {
+          case 1: weighted_rows<1>(vh + d0, token_stride, pj, rows, aj + d0); break;
+          case 2: weighted_rows<2>(vh + d0, token_stride, pj, rows, aj + d0); break;
+          case 3: weighted_rows<3>(vh + d0, token_stride, pj, rows, aj + d0); break;
+          default: weighted_rows<4>(vh + d0, token_stride, pj, rows, aj + d0); break;
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < rows_per_item; ++j) {
+    const __m512 f = _mm512_set1_ps(inv_sum[j]);
+    for (int64_t d = 0; d < head_dim; d += 16)
+      _mm512_storeu_ps(out + j * head_dim + d, _mm512_mul_ps(_mm512_loadu_ps(acc + j * head_dim + d), f));
+  }
+}
+#endif
 
 template <typename scalar_t>
 void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
@@ -51,6 +175,16 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
       const scalar_t* q_item = q_ptr + (b * num_heads + h0 * group) * head_dim;  // rows_per_item rows
       scores.resize(rows_per_item * len);
       for (int64_t i = 0; i < rows_per_item * head_dim; ++i) qf[i] = static_cast<float>(q_item[i]) * fscale;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (head_dim % 16 == 0) {
+          item_f32_avx512(qf.data(), k_ptr, v_ptr, table, len, h0, heads_per_item, group, head_dim, block_size,
+                          token_stride, block_stride, scores.data(), acc.data(),
+                          out_ptr + (b * num_heads + h0 * group) * head_dim);
+          continue;
+        }
+      }
+#endif
       // Block by block: the row inside a block is a counter, not a division per token.
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const scalar_t* kb = k_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
