@@ -29,6 +29,7 @@ inline void gated_rms_norm(float* o, const float* z, const float* weight, int64_
 #pragma omp simd reduction(+ : ss)
   for (int64_t j = 0; j < n; ++j) ss += o[j] * o[j];
   const float inv_rms = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
   for (int64_t j = 0; j < n; ++j) o[j] = o[j] * inv_rms * weight[j] * silu(z[j]);
 }
 

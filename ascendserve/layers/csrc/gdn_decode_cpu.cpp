@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -33,21 +34,30 @@ namespace {
 using namespace ascendserve_gdn;
 
 // x[b, c] = silu(sum_j window[j] w[c][j]) over window = [conv_states[slot][c][0 .. K-2], qkvz[b][c]]; the
-// state then drops its oldest column and takes qkvz[b][c].
+// state then drops its oldest column and takes qkvz[b][c]. Work items are (row, run of kConvRun channels):
+// the sums in a scalar loop, then silu over the run in a vectorized one (exp per element was ~1/3 of the
+// op at 64 rows when it sat in the scalar loop).
+constexpr int64_t kConvRun = 1024;
+
 void conv_step(const float* qkvz, int64_t qkvz_stride, const float* weight, int64_t width, float* states,
                const int64_t* slots, int64_t batch, int64_t channels, float* x) {
-  const int64_t hist = width - 1;
-  at::parallel_for(0, batch * channels, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / channels, c = i % channels;
-      float* st = states + (slots[b] * channels + c) * hist;
-      const float* w = weight + c * width;
-      const float in = qkvz[b * qkvz_stride + c];
-      float acc = in * w[hist];
-      for (int64_t j = 0; j < hist; ++j) acc += st[j] * w[j];
-      for (int64_t j = 0; j + 1 < hist; ++j) st[j] = st[j + 1];
-      if (hist > 0) st[hist - 1] = in;
-      x[b * channels + c] = silu(acc);
+  const int64_t hist = width - 1, runs = (channels + kConvRun - 1) / kConvRun;
+  at::parallel_for(0, batch * runs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / runs, c0 = (item % runs) * kConvRun, c1 = std::min(channels, c0 + kConvRun);
+      const float* in = qkvz + b * qkvz_stride;
+      float* xb = x + b * channels;
+      for (int64_t c = c0; c < c1; ++c) {
+        float* st = states + (slots[b] * channels + c) * hist;
+        const float* w = weight + c * width;
+        float acc = in[c] * w[hist];
+        for (int64_t j = 0; j < hist; ++j) acc += st[j] * w[j];
+        for (int64_t j = 0; j + 1 < hist; ++j) st[j] = st[j + 1];
+        if (hist > 0) st[hist - 1] = in[c];
+        xb[c] = acc;
+      }
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) xb[c] = silu(xb[c]);
     }
   });
 }
