@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -56,10 +57,11 @@ inline __m512 exp512(__m512 x) {
 
 // s[0 .. n) = exp(s - max(s)); returns the sum.
 inline float softmax_numerators(float* s, int64_t n) {
-  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());  // not -inf: built with -ffast-math
+  __m512 vmax = lowest;
   for (int64_t t = 0; t < n; t += 16) {
     const __mmask16 m = n - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - t)) - 1);
-    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, s + t));
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(lowest, m, s + t));
   }
   const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
   __m512 vsum = _mm512_setzero_ps();
