@@ -99,6 +99,8 @@ def assert_same_layer_state(ours: Layer, ref: Layer):
     (2, 4, 32, 16, [3]),  # one stream; grouped heads, dk != dv
     (2, 4, 16, 16, [5, 0, 2]),  # shuffled slots out of a larger pool
     (3, 3, 16, 32, [1, 2, 3, 4, 6]),
+    (1, 1, 8, 8, [2, 4]),  # 24 conv channels: 16 in the vector conv step, 8 in the scalar tail
+    (4, 8, 64, 96, [0, 6]),  # 1280 conv channels: two runs of the conv loop
 ])
 def test_decode_steps_match_transformers(kernels, hk, hv, dk, dv, slots):
     ours, ref = Layer(hk, hv, dk, dv, num_slots=7, seed=0), Layer(hk, hv, dk, dv, num_slots=7, seed=0)
