@@ -57,41 +57,44 @@ void tile_portable(int rows, const float* x, int64_t ldx, const uint32_t* panel,
 }
 
 #if defined(__AVX512F__)
+// Input pair kp of a panel as fp32: even / odd inputs of outputs 0-15 (e0, o0) and 16-31 (e1, o1); and a
+// request for the pairs kPrefetchPairs (4 KiB) ahead (the panel is contiguous, so past its end is the next
+// panel; a prefetch never faults). Single-stream decode: 11-16 -> 17-19 GB/s on the Qwen3.5 shapes with
+// the prefetch (benchmarks/probe_bf16_linear.py).
+struct WidenedPair {
+  __m512 e0, o0, e1, o1;
+};
+
+inline WidenedPair widen_pair(const uint32_t* panel, int64_t kp) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kPrefetchPairs) * kPanel), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kPrefetchPairs) * kPanel + 16), _MM_HINT_T0);
+  const __m512i w0 = _mm512_loadu_si512(panel + kp * kPanel);
+  const __m512i w1 = _mm512_loadu_si512(panel + kp * kPanel + 16);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), _mm512_castsi512_ps(_mm512_and_si512(w0, high)),
+          _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)), _mm512_castsi512_ps(_mm512_and_si512(w1, high))};
+}
+
 template <int ROWS>
 void tile_avx512(const float* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float* out, int64_t ldo,
                  int64_t cols, const float* bias) {
   __m512 even[ROWS][2], odd[ROWS][2];
   for (int m = 0; m < ROWS; ++m)
     for (int h = 0; h < 2; ++h) even[m][h] = odd[m][h] = _mm512_setzero_ps();
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t kp = 0; kp < kpairs; ++kp) {
-    // 4 KiB ahead (the panel is contiguous, so past its end is the next panel; a prefetch never faults).
-    // Single-stream decode: 11-16 -> 17-19 GB/s on the Qwen3.5 shapes (benchmarks/probe_bf16_linear.py).
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kPrefetchPairs) * kPanel), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kPrefetchPairs) * kPanel + 16), _MM_HINT_T0);
-    const __m512i w0 = _mm512_loadu_si512(panel + kp * kPanel);
-    const __m512i w1 = _mm512_loadu_si512(panel + kp * kPanel + 16);
-    const __m512 we0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
-    const __m512 wo0 = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
-    const __m512 we1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
-    const __m512 wo1 = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
+    const WidenedPair w = widen_pair(panel, kp);
     for (int m = 0; m < ROWS; ++m) {
       const __m512 xe = _mm512_set1_ps(x[m * ldx + 2 * kp]);
       const __m512 xo = _mm512_set1_ps(x[m * ldx + 2 * kp + 1]);
-      even[m][0] = _mm512_fmadd_ps(xe, we0, even[m][0]);
-      odd[m][0] = _mm512_fmadd_ps(xo, wo0, odd[m][0]);
-      even[m][1] = _mm512_fmadd_ps(xe, we1, even[m][1]);
-      odd[m][1] = _mm512_fmadd_ps(xo, wo1, odd[m][1]);
+      even[m][0] = _mm512_fmadd_ps(xe, w.e0, even[m][0]);
+      odd[m][0] = _mm512_fmadd_ps(xo, w.o0, odd[m][0]);
+      even[m][1] = _mm512_fmadd_ps(xe, w.e1, even[m][1]);
+      odd[m][1] = _mm512_fmadd_ps(xo, w.o1, odd[m][1]);
     }
   }
-  const __mmask16 mask0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
-  for (int m = 0; m < ROWS; ++m) {
-    _mm512_mask_storeu_ps(out + m * ldo, mask0, _mm512_add_ps(_mm512_add_ps(even[m][0], odd[m][0]), b0));
-    _mm512_mask_storeu_ps(out + m * ldo + 16, mask1, _mm512_add_ps(_mm512_add_ps(even[m][1], odd[m][1]), b1));
-  }
+  for (int m = 0; m < ROWS; ++m)
+    for (int h = 0; h < 2; ++h) even[m][h] = _mm512_add_ps(even[m][h], odd[m][h]);
+  ascendserve_panel::store_tile<ROWS>(even, out, ldo, cols, bias);
 }
 
 // 7 to 12 rows: one accumulator per row and half, the even and odd products added in turn.
@@ -100,31 +103,16 @@ void tile_avx512_merged(const float* x, int64_t ldx, const uint32_t* panel, int6
                         int64_t ldo, int64_t cols, const float* bias) {
   __m512 acc[ROWS][2];
   for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t kp = 0; kp < kpairs; ++kp) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kPrefetchPairs) * kPanel), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kPrefetchPairs) * kPanel + 16), _MM_HINT_T0);
-    const __m512i w0 = _mm512_loadu_si512(panel + kp * kPanel);
-    const __m512i w1 = _mm512_loadu_si512(panel + kp * kPanel + 16);
-    const __m512 we0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
-    const __m512 wo0 = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
-    const __m512 we1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
-    const __m512 wo1 = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
+    const WidenedPair w = widen_pair(panel, kp);
     for (int m = 0; m < ROWS; ++m) {
       const __m512 xe = _mm512_set1_ps(x[m * ldx + 2 * kp]);
       const __m512 xo = _mm512_set1_ps(x[m * ldx + 2 * kp + 1]);
-      acc[m][0] = _mm512_fmadd_ps(xo, wo0, _mm512_fmadd_ps(xe, we0, acc[m][0]));
-      acc[m][1] = _mm512_fmadd_ps(xo, wo1, _mm512_fmadd_ps(xe, we1, acc[m][1]));
+      acc[m][0] = _mm512_fmadd_ps(xo, w.o0, _mm512_fmadd_ps(xe, w.e0, acc[m][0]));
+      acc[m][1] = _mm512_fmadd_ps(xo, w.o1, _mm512_fmadd_ps(xe, w.e1, acc[m][1]));
     }
   }
-  const __mmask16 mask0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
-  for (int m = 0; m < ROWS; ++m) {
-    _mm512_mask_storeu_ps(out + m * ldo, mask0, _mm512_add_ps(acc[m][0], b0));
-    _mm512_mask_storeu_ps(out + m * ldo + 16, mask1, _mm512_add_ps(acc[m][1], b1));
-  }
+  ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
 }
 
 void tile_fast(int rows, const float* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float* out, int64_t ldo,

@@ -8,6 +8,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace ascendserve_panel {
 
 constexpr int64_t kPanel = 32;              // output rows per panel
@@ -40,5 +44,21 @@ void for_each_tile(int64_t m_rows, int64_t k, int64_t n, int64_t panels, const T
     }
   });
 }
+
+#if defined(__AVX512F__)
+// out[m][0 .. cols) = acc[m] + bias for a tile's ROWS rows of 32 outputs, two 16-lane halves each (the
+// last panel's columns masked off; bias may be nullptr).
+template <int ROWS>
+inline void store_tile(const __m512 (&acc)[ROWS][2], float* out, int64_t ldo, int64_t cols, const float* bias) {
+  const __mmask16 mask0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
+  for (int m = 0; m < ROWS; ++m) {
+    _mm512_mask_storeu_ps(out + m * ldo, mask0, _mm512_add_ps(acc[m][0], b0));
+    _mm512_mask_storeu_ps(out + m * ldo + 16, mask1, _mm512_add_ps(acc[m][1], b1));
+  }
+}
+#endif
 
 }  // namespace ascendserve_panel

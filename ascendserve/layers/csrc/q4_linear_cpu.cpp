@@ -101,14 +101,7 @@ void tile_avx512(const float* x, const float* xsum, int64_t ldx, int64_t groups,
       acc[m][1] = _mm512_fmadd_ps(d1, block[m][1], _mm512_fmadd_ps(m1, s, acc[m][1]));
     }
   }
-  const __mmask16 mask0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-  const __m512 bias0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
-  const __m512 bias1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
-  for (int m = 0; m < ROWS; ++m) {
-    _mm512_mask_storeu_ps(out + m * ldo, mask0, _mm512_add_ps(acc[m][0], bias0));
-    _mm512_mask_storeu_ps(out + m * ldo + 16, mask1, _mm512_add_ps(acc[m][1], bias1));
-  }
+  ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
 }
 
 void tile_fast(int rows, const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w,
