@@ -21,7 +21,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
 fi
 # tcmalloc: `ascendserve` restarts itself under it on CPU (ascendserve/cli/allocator.py; prefill page faults).
 # Installed where this script may (root with apt-get); elsewhere one line says how, and glibc's malloc is used.
-if ! ldconfig -p 2>/dev/null | grep -q 'libtcmalloc'; then
+# (grep reads all of ldconfig's output: with -q it would exit early and pipefail would see ldconfig's SIGPIPE)
+if ! ldconfig -p 2>/dev/null | grep 'libtcmalloc' >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "[setup] installing libtcmalloc-minimal4 (apt-get)"
     apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \

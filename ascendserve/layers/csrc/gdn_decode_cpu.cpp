@@ -112,7 +112,7 @@ void conv_step(const float* qkvz, int64_t qkvz_stride, const float* weight, int6
         xb[c] = acc;
       }
 #pragma omp simd
-      for (int64_t c = c0; c < c1; ++c) xb[c] = silu(xb[c]);
+      for (int64_t i = c0; i < c1; ++i) xb[i] = silu(xb[i]);
     }
   });
 }
