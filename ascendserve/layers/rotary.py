@@ -4,6 +4,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from ascendserve.layers import cpu_kernels
+
 # Rope types whose frequencies do not depend on the running sequence length.
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional"}
 
@@ -44,9 +46,22 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate q [T, Hq, D] and k [T, Hk, D] by their token positions [T]."""
+        if (kernels := self._cpu_op(positions, q, k)) is not None:  # one pass each (csrc/rope_cpu.cpp)
+            return (kernels.rope_neox(q, positions, self.cos_cache, self.sin_cache),
+                    kernels.rope_neox(k, positions, self.cos_cache, self.sin_cache))
         cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
         sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+
+    def _cpu_op(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """The CPU op namespace for fp32 [T, H, D] q and k with int64 positions outside a compiled forward,
+        else None."""
+        if (q.device.type == "cpu" and q.dtype == k.dtype == self.cos_cache.dtype == torch.float32
+                and q.dim() == k.dim() == 3 and q.stride(-1) == k.stride(-1) == 1
+                and positions.dtype == torch.long and positions.dim() == 1 and positions.is_contiguous()
+                and not torch.compiler.is_compiling()):
+            return cpu_kernels.ops()
+        return None
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:

@@ -1,0 +1,61 @@
+"""The rotary embedding's CPU op (csrc/rope_cpu.cpp) against the torch form it replaces."""
+
+import pytest
+import torch
+
+from ascendserve.layers import cpu_kernels
+from ascendserve.layers.rotary import RotaryEmbedding, default_inv_freq
+
+
+def _rotary(head_dim: int, rotary_dim: int, scaling: float = 1.0) -> RotaryEmbedding:
+    return RotaryEmbedding(default_inv_freq(10000.0, rotary_dim), scaling, max_position=4096)
+
+
+def _torch_form(rope, positions, q, k, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setitem(cpu_kernels._state, "ops", None)
+        return rope(positions, q, k)
+
+
+@pytest.mark.parametrize("head_dim, rotary_dim, hq, hk, tokens", [
+    (64, 64, 9, 3, 1),      # the demo's heads, one decode row
+    (64, 64, 9, 3, 37),     # a prefill chunk
+    (256, 64, 8, 2, 5),     # Qwen3.5-style partial rotary: the last 192 channels pass through
+    (16, 8, 2, 2, 3),
+])
+def test_op_matches_the_torch_form(kernels, monkeypatch, head_dim, rotary_dim, hq, hk, tokens):
+    rope = _rotary(head_dim, rotary_dim, scaling=0.9)
+    gen = torch.Generator().manual_seed(0)
+    fused = torch.randn(tokens, (hq + 2 * hk) * head_dim, generator=gen)
+    q = fused[:, :hq * head_dim].view(tokens, hq, head_dim)  # strided views, as split out of a projection
+    k = fused[:, hq * head_dim:(hq + hk) * head_dim].view(tokens, hk, head_dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    calls, real_op = [], kernels.rope_neox
+    monkeypatch.setattr(kernels, "rope_neox", lambda *a: calls.append(1) or real_op(*a))
+    got_q, got_k = rope(positions, q, k)
+    assert len(calls) == 2  # q and k went through the op
+    ref_q, ref_k = _torch_form(rope, positions, q, k, monkeypatch)
+    torch.testing.assert_close(got_q, ref_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, ref_k, rtol=1e-6, atol=1e-6)
+    assert got_q.is_contiguous() and got_q.shape == q.shape
+
+
+def test_op_is_taken_for_fp32_and_not_for_bf16(kernels):
+    rope = _rotary(32, 32)
+    q, k, positions = torch.randn(2, 4, 32), torch.randn(2, 2, 32), torch.tensor([0, 5])
+    assert rope._cpu_op(positions, q, k) is not None
+    assert rope._cpu_op(positions, q.bfloat16(), k.bfloat16()) is None
+    assert rope._cpu_op(positions.int(), q, k) is None
+
+
+def test_bad_inputs_are_errors_not_crashes(kernels):
+    rope = _rotary(32, 32)
+    q = torch.randn(2, 4, 32)
+    with pytest.raises(RuntimeError, match="position 4096 outside"):
+        kernels.rope_neox(q, torch.tensor([0, 4096]), rope.cos_cache, rope.sin_cache)
+    with pytest.raises(RuntimeError, match="position -1 outside"):
+        kernels.rope_neox(q, torch.tensor([-1, 0]), rope.cos_cache, rope.sin_cache)
+    with pytest.raises(RuntimeError, match="positions must be"):
+        kernels.rope_neox(q, torch.tensor([0]), rope.cos_cache, rope.sin_cache)
+    with pytest.raises(RuntimeError, match="rotary dim"):
+        kernels.rope_neox(torch.randn(2, 4, 16), torch.tensor([0, 1]), rope.cos_cache, rope.sin_cache)
