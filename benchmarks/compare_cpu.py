@@ -231,6 +231,21 @@ def gguf_decode_bytes(path: Path) -> int:
     return sum(sizes.values()) - (sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0)
 
 
+def gguf_grid_decode_bytes(path: Path) -> int:
+    """Bytes one single-stream decode step of ascendserve reads from a GGUF run in fp32: Q4_0 / Q4_1 layers
+    from their 4-bit grid (0.5 byte a weight + fp32 d and m per 32: 0.75), everything else as fp32 (the tied
+    lm_head included); token_embd counts only when it is also the lm_head."""
+    from gguf import GGUFReader
+    tensors = GGUFReader(str(path)).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    total = 0.0
+    for t in tensors:
+        if t.name == "token_embd.weight" and not tied:
+            continue
+        total += int(t.n_elements) * (0.75 if t.tensor_type.name in ("Q4_0", "Q4_1") else 4)
+    return int(total)
+
+
 def measure_read_bandwidth(threads: int, reps: int = 5) -> float:
     """GB/s of torch `x.sum()` over a 1 GiB fp32 tensor (median of `reps` after a warm-up)."""
     import torch
@@ -290,9 +305,11 @@ def _ascendserve(ns, model: Model, params: int, fast_bf16: bool, ctx: int, extra
         weights = flags[flags.index("--quantization") + 1]  # int8: 1 (+ one scale a row); int4 in fp32: 0.5 +
         # fp32 d and m per 64 inputs (the grid kernel); int4 in bf16: 0.5 + bf16 scale and zero per 64
         nbytes = params * {"int8": 1, "int4": 0.625 if dtype == "float32" else 0.5625}[weights]
-    elif dtype == "float32" and _checkpoint_dtype(model.ascendserve_path) == "bfloat16" \
-            and env.get("ASCENDSERVE_COMPACT_WEIGHTS", "1").lower() not in ("0", "off", "false", "no"):
-        weights, nbytes = "bf16 weights, fp32 compute", params * 2  # layers/linear.py Bf16Linear
+    elif dtype == "float32" and env.get("ASCENDSERVE_COMPACT_WEIGHTS", "1").lower() not in ("0", "off", "false", "no"):
+        if _checkpoint_dtype(model.ascendserve_path) == "bfloat16":
+            weights, nbytes = "bf16 weights, fp32 compute", params * 2  # layers/linear.py Bf16Linear
+        elif model.ascendserve_path.suffix == ".gguf":  # Q4 layers keep their grid for up to 6 rows (one stream)
+            weights, nbytes = "4-bit grid (Q4 layers), fp32 rest", gguf_grid_decode_bytes(model.ascendserve_path)
     argv = [Path(sys.executable).with_name("ascendserve"), "serve", model.ascendserve_path, "--served-model-name",
             model.name, "--host", "127.0.0.1", "--max-model-len", ctx, "--seed", ns.seed, *flags]
     return Config("ascendserve", " ".join(["ascendserve", *tokens]), lambda port, c: ServerSpec(

@@ -10,6 +10,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -67,3 +68,32 @@ def test_a_level_prefix_and_plain_flags_parse():
     compare_cpu = _module("compare_cpu")
     ns = compare_cpu.parse_args(["--ascendserve-args", "C=1,16:--quantization int4", "--ascendserve-args", ""])
     assert ns.ascendserve_args == ["C=1,16:--quantization int4", ""]
+
+
+def test_a_q4_gguf_counts_its_grid_for_the_roofline(tmp_path):
+    # ascendserve keeps Q4_0 / Q4_1 layers as their 4-bit grid (0.5 byte + fp32 d and m per 32 inputs) for
+    # one stream; everything else, the tied Q8_0 embedding as lm_head included, is read as fp32.
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+    compare_cpu = _module("compare_cpu")
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
+    layer, embed = rng.standard_normal((64, 128)).astype(np.float32), rng.standard_normal((96, 128)).astype(np.float32)
+    for name, values, qtype in (("blk.0.ffn_up.weight", layer, Q.Q4_1), ("token_embd.weight", embed, Q.Q8_0)):
+        data = quants.quantize(values, qtype)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(128, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    expected = 64 * 128 * 0.75 + 96 * 128 * 4 + 128 * 4
+    assert compare_cpu.gguf_grid_decode_bytes(path) == int(expected)
+    model = compare_cpu.Model("m", "title", tmp_path, path)
+    ns = compare_cpu.parse_args(["--threads", "2"])
+    config = compare_cpu._ascendserve(ns, model, 1000, False, 448, "")
+    assert config.weights == "4-bit grid (Q4 layers), fp32 rest" and config.decode_bytes == int(expected)
+    fp32 = compare_cpu._ascendserve(ns, model, 1000, False, 448, "ASCENDSERVE_COMPACT_WEIGHTS=0")
+    assert fp32.weights == "float32" and fp32.decode_bytes == 4000
