@@ -99,7 +99,10 @@ def describe(argv: list[str]) -> str | None:
     name = loaded_malloc()
     if name:
         return f"CPU allocator: {name} ({ENV_VAR}=system for glibc's malloc)"
-    if os.environ.get(ENV_VAR) == "system":
+    choice = os.environ.get(ENV_VAR, "auto")
+    if choice == "system":
         return f"CPU allocator: glibc malloc ({ENV_VAR}=system)"
+    if choice != "auto":
+        return f"CPU allocator: glibc malloc ({ENV_VAR}={choice} could not be preloaded: see the ld.so line above)"
     return ("CPU allocator: glibc malloc; install tcmalloc (Debian / Ubuntu: apt install libtcmalloc-minimal4) "
             "for fewer page faults and faster prefill")

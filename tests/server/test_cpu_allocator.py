@@ -71,3 +71,11 @@ def test_system_opts_out_and_the_log_says_so():
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "CPU allocator: tcmalloc" in out.stderr
+
+
+def test_a_library_that_cannot_be_preloaded_is_named_and_the_command_still_runs(tmp_path):
+    missing = str(tmp_path / "libnothere.so")
+    out = subprocess.run([sys.executable, "-m", "ascendserve.cli.main", "generate", "--device", "cpu", "--help"],
+                         env={**os.environ, allocator.ENV_VAR: missing}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"{allocator.ENV_VAR}={missing} could not be preloaded" in out.stderr
