@@ -224,26 +224,21 @@ def hf_decode_params(hf_dir: Path) -> int:
     return total - embed + (embed if tied and not lm_head else 0)
 
 
-def gguf_decode_bytes(path: Path) -> int:
-    """Bytes one decode step reads from a GGUF: all tensors but token_embd, which counts when tied."""
-    from gguf import GGUFReader
-    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
-    return sum(sizes.values()) - (sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0)
-
-
-def gguf_grid_decode_bytes(path: Path) -> int:
-    """Bytes one single-stream decode step of ascendserve reads from a GGUF run in fp32: Q4_0 / Q4_1 layers
-    from their 4-bit grid (0.5 byte a weight + fp32 d and m per 32: 0.75), everything else as fp32 (the tied
-    lm_head included); token_embd counts only when it is also the lm_head."""
+def gguf_decode_bytes(path: Path, tensor_bytes: Callable | None = None) -> int:
+    """Bytes one decode step reads from a GGUF: all tensors but token_embd, which counts when tied (no
+    output.weight). tensor_bytes(tensor) gives a tensor's bytes as the engine holds it (default: as stored)."""
     from gguf import GGUFReader
     tensors = GGUFReader(str(path)).tensors
     tied = not any(t.name == "output.weight" for t in tensors)
-    total = 0.0
-    for t in tensors:
-        if t.name == "token_embd.weight" and not tied:
-            continue
-        total += int(t.n_elements) * (0.75 if t.tensor_type.name in ("Q4_0", "Q4_1") else 4)
-    return int(total)
+    tensor_bytes = tensor_bytes or (lambda t: int(t.n_bytes))
+    return int(sum(tensor_bytes(t) for t in tensors if tied or t.name != "token_embd.weight"))
+
+
+def gguf_grid_decode_bytes(path: Path) -> int:
+    """gguf_decode_bytes as ascendserve's single-stream decode reads a GGUF run in fp32: Q4_0 / Q4_1 layers
+    from their 4-bit grid (0.5 byte a weight + fp32 d and m per 32: 0.75), everything else as fp32 (the
+    tied lm_head included)."""
+    return gguf_decode_bytes(path, lambda t: t.n_elements * (0.75 if t.tensor_type.name in ("Q4_0", "Q4_1") else 4))
 
 
 def measure_read_bandwidth(threads: int, reps: int = 5) -> float:

@@ -21,8 +21,7 @@ class GatedActivation(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 on CPU: gate and up in one pass (csrc/silu_and_mul_cpu.cpp); a compiled forward fuses the
         # torch form instead.
-        if (self.act is F.silu and x.device.type == "cpu" and x.dtype == torch.float32
-                and not torch.compiler.is_compiling() and (kernels := cpu_kernels.ops()) is not None):
+        if self.act is F.silu and (kernels := cpu_kernels.fp32_ops(x)) is not None:
             return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return self.act(gate) * up

@@ -43,6 +43,15 @@ def ops():
     return _state["ops"]
 
 
+def fp32_ops(*tensors: torch.Tensor):
+    """ops() when every tensor is fp32 on the CPU and no forward is being compiled (the precondition the
+    layers' fp32 ops share; each caller adds its own shape checks), else None. A compiled forward keeps
+    the torch form, which inductor fuses."""
+    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and not torch.compiler.is_compiling():
+        return ops()
+    return None
+
+
 def _load():
     if env_switch("ASCENDSERVE_CPU_KERNELS") is False:
         logger.info("ASCENDSERVE_CPU_KERNELS is off: plain-torch paged decode attention and fp32 weights on CPU")
@@ -66,7 +75,7 @@ def _load():
                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
     logger.info("CPU kernels (paged decode attention, bf16 and 4-bit weight linears, Gated DeltaNet, SiLU-and-mul, "
-                "RMSNorm) ready in %.1f s", time.perf_counter() - start)
+                "RMSNorm, rotary) ready in %.1f s", time.perf_counter() - start)
     return torch.ops.ascendserve_cpu
 
 

@@ -9,10 +9,7 @@ from ascendserve.layers import cpu_kernels
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor):
     """The CPU op (csrc/rms_norm_cpu.cpp) for fp32 x (1-4 dims, the last contiguous) and weight outside a
     compiled forward, else None."""
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and 1 <= x.dim() <= 4 and x.stride(-1) == 1 and not torch.compiler.is_compiling()):
-        return cpu_kernels.ops()
-    return None
+    return cpu_kernels.fp32_ops(x, weight) if 1 <= x.dim() <= 4 and x.stride(-1) == 1 else None
 
 
 class RMSNorm(nn.Module):

@@ -56,11 +56,9 @@ class RotaryEmbedding(nn.Module):
     def _cpu_op(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """The CPU op namespace for fp32 [T, H, D] q and k with int64 positions outside a compiled forward,
         else None."""
-        if (q.device.type == "cpu" and q.dtype == k.dtype == self.cos_cache.dtype == torch.float32
-                and q.dim() == k.dim() == 3 and q.stride(-1) == k.stride(-1) == 1
-                and positions.dtype == torch.long and positions.dim() == 1 and positions.is_contiguous()
-                and not torch.compiler.is_compiling()):
-            return cpu_kernels.ops()
+        if (q.dim() == k.dim() == 3 and q.stride(-1) == k.stride(-1) == 1 and positions.device.type == "cpu"
+                and positions.dtype == torch.long and positions.dim() == 1 and positions.is_contiguous()):
+            return cpu_kernels.fp32_ops(q, k, self.cos_cache)
         return None
 
 

@@ -58,15 +58,15 @@ inline __m512 exp512(__m512 x) {
 // s[0 .. n) = exp(s - max(s)); returns the sum.
 inline float softmax_numerators(float* s, int64_t n) {
   const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());  // not -inf: built with -ffast-math
+  auto lanes = [n](int64_t t) {  // the lanes of s[t .. t + 16) below n
+    return n - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
+  };
   __m512 vmax = lowest;
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 m = n - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - t)) - 1);
-    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(lowest, m, s + t));
-  }
+  for (int64_t t = 0; t < n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(lowest, lanes(t), s + t));
   const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 m = n - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __mmask16 m = lanes(t);
     const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx));
     _mm512_mask_storeu_ps(s + t, m, e);
     vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
