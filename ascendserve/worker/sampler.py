@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ascendserve.engine.sampling_params import SamplingParams
+from ascendserve.layers import cpu_kernels
 
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1
@@ -53,6 +54,13 @@ class SamplerOutput:
     logprobs: list[LogprobsRow | None]
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) of [rows, vocab] logits: the C++ op (csrc/argmax_cpu.cpp, the same indices,
+    about 4x faster: 15 ms of a 64-row Qwen3.5 decode step) for contiguous fp32 CPU logits."""
+    ops = cpu_kernels.fp32_ops(logits) if logits.is_contiguous() and logits.shape[-1] > 0 else None
+    return ops.argmax_rows(logits) if ops is not None else logits.argmax(dim=-1)
+
+
 class Sampler:
     """Samples one token per row; a seeded row draws the same tokens whatever shares its batch."""
 
@@ -66,7 +74,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         raw_logprobs = _raw_logprobs(logits, rows)
         if all(_is_plain_greedy(row) for row in rows):
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_rows(logits)
         else:
             processed = apply_logits_processors(logits.to(torch.float32, copy=True), rows)
             sampled = self._sample(processed, rows)
@@ -74,7 +82,7 @@ class Sampler:
         return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, token_ids, rows))
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        sampled = logits.argmax(dim=-1)
+        sampled = argmax_rows(logits)
         random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if random:
             index = _index(random, logits.device)
@@ -88,7 +96,7 @@ class Sampler:
         apply_top_k_top_p(logits, params)
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p_i / E_i), E_i ~ Exp(1), picks token i with probability p_i.
-        return probs.div_(self._exponential_noise(probs, rows)).argmax(dim=-1)
+        return argmax_rows(probs.div_(self._exponential_noise(probs, rows)))
 
     def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         noise = torch.empty_like(probs)
