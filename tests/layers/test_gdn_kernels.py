@@ -117,7 +117,9 @@ def test_decode_steps_match_transformers(kernels, hk, hv, dk, dv, slots):
     assert torch.equal(ours.conv_pool[untouched], fresh.conv_pool[untouched])
 
 
-@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 32, 16), (3, 3, 16, 32)])
+# dv: the state is walked in blocks of 32 value columns; 16 is one short block, 32 one full block, 40 a
+# full block and a tail of 8; dk 33 leaves a row after the unrolled groups of 4.
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 32, 16), (3, 3, 16, 32), (1, 2, 33, 40)])
 @pytest.mark.parametrize("decay_scale", [0.01, 100.0])
 def test_prefill_matches_transformers(kernels, hk, hv, dk, dv, decay_scale):
     # Lengths below the conv width and around the 64-token chunk; fresh and continuing sequences, whose
