@@ -303,7 +303,7 @@ def _ascendserve(ns, model: Model, params: int, fast_bf16: bool, ctx: int, extra
     elif dtype == "float32" and env.get("ASCENDSERVE_COMPACT_WEIGHTS", "1").lower() not in ("0", "off", "false", "no"):
         if _checkpoint_dtype(model.ascendserve_path) == "bfloat16":
             weights, nbytes = "bf16 weights, fp32 compute", params * 2  # layers/linear.py Bf16Linear
-        elif model.ascendserve_path.suffix == ".gguf":  # Q4 layers keep their grid for up to 6 rows (one stream)
+        elif model.ascendserve_path.suffix == ".gguf":  # Q4 layers read their grid up to 32 rows
             weights, nbytes = "4-bit grid (Q4 layers), fp32 rest", gguf_grid_decode_bytes(model.ascendserve_path)
     argv = [Path(sys.executable).with_name("ascendserve"), "serve", model.ascendserve_path, "--served-model-name",
             model.name, "--host", "127.0.0.1", "--max-model-len", ctx, "--seed", ns.seed, *flags]

@@ -56,8 +56,9 @@ to fp32 values that are, per block of 32 inputs of a row, m + d * q with q in 0.
 d, m and q from the values (and checks every value is reproduced; in practice bit for bit), and the
 layer keeps q as half a byte plus d and m per block: an eighth of the fp32 bytes. The kernel
 (csrc/q4_linear_cpu.cpp) computes d * sum(x q) + m * sum(x) per block in fp32: the weights' own
-products, regrouped. It wins only for a few rows (it spends its time widening nibbles), so the layer
-keeps its fp32 (MKL-packed) form for larger batches and holds the 4-bit copy beside it.
+products, regrouped. It wins up to some 32 rows (above, MKL's fp32 GEMM, no longer bound by the weight
+bytes, outruns a kernel that spends its time widening nibbles), so the layer keeps its fp32 (MKL-packed)
+form for larger batches and holds the 4-bit copy beside it.
 """
 
 import torch
@@ -74,7 +75,7 @@ COMPACT_ENV_VAR = "ASCENDSERVE_COMPACT_WEIGHTS"  # 0: bf16- and 4-bit-valued wei
 PANEL_ROWS = 32  # output rows per panel of the bf16 and 4-bit packs (csrc/*_linear_cpu.cpp)
 BF16_KERNEL_MAX_ROWS = 256  # above, widen the weight for the call and use F.linear (see the docstring)
 Q4_GROUP = 32  # inputs per (d, m) block of the 4-bit grid (csrc/q4_linear_cpu.cpp), GGUF's block size
-Q4_KERNEL_MAX_ROWS = 6  # above, the fp32 layer (MKL); one register tile of the kernel
+Q4_KERNEL_MAX_ROWS = 32  # above, the fp32 layer (MKL): see Q4Linear
 PACK_ROWS = 64  # the m each weight is packed for
 MIN_PACKED_ROWS = 4  # below, F.linear (MKL's gemv) was as fast, or faster for K >= 1024
 MAX_PACKED_ROWS = 128  # above, F.linear was as fast or faster (prefill)
@@ -186,10 +187,13 @@ class Q4Linear(KernelLinear):
     """The 4-bit copy (W = d * q + m per 32 inputs) of an fp32 layer, for batches of up to max_rows rows.
 
     Larger batches run the fp32 layer it wraps (`dense`: a PackedLinear, or the nn.Linear): there
-    MKL's GEMM on fp32 beats the 4-bit kernel, which spends its time widening nibbles (measured on
-    SmolLM2's shapes: the 4-bit kernel 2x faster at 1 row, even at 8, 1.3-1.5x slower from 16 on).
-    So the fp32 weight stays; the 4-bit copy adds an eighth of it (plus d and m) and cuts the bytes
-    small batches read by 5x.
+    MKL's GEMM on fp32 beats the 4-bit kernel, which spends its time widening nibbles. Measured in the
+    engine (the demo model, decode steps of B rows at 256-token contexts, the bound switched between
+    steps of one process, median ms a step), kernel up to 6 rows vs up to 64:
+        B=8 66.4 vs 47.7, B=16 72.2 vs 58.5, B=32 111.0 vs 99.4, B=48 167.8 vs 172.6, B=64 219.5 vs 243.6
+    (a microbenchmark that called one layer repeatedly had put the crossover near 8 rows: its fp32
+    weight sat in the L3 cache, where a model's 0.5 GB does not). So the fp32 weight stays; the 4-bit
+    copy adds an eighth of it (plus d and m) and cuts the bytes batches of up to 32 rows read by 5x.
     """
 
     max_rows = Q4_KERNEL_MAX_ROWS
