@@ -103,7 +103,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
     the chunked kernel (chunk 64) from their slot (or from zeros when `has_initial_state` is False);
     single-token continuations run the recurrent kernel. Both update the slot in place. On CPU with an
     fp32 model, each kind is one C++ op (csrc/gdn_decode_cpu.cpp, csrc/gdn_prefill_cpu.cpp) that also
-    does the conv and the gated norm; the plain-torch path below is the reference and the fallback.
+    does the conv and the gated norm (the prefill op runs the recurrence token by token, which was
+    faster there than the chunked form); the plain-torch path below is the reference and the fallback.
     """
 
     def __init__(self, config) -> None:
