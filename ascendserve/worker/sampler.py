@@ -55,8 +55,8 @@ class SamplerOutput:
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(dim=-1) of [rows, vocab] logits: the C++ op (csrc/argmax_cpu.cpp, the same indices,
-    about 4x faster: 15 ms of a 64-row Qwen3.5 decode step) for contiguous fp32 CPU logits."""
+    """logits.argmax(dim=-1) of [rows, vocab] logits: the C++ op (csrc/argmax_cpu.cpp, the same indices;
+    64 x 248320 logits 16 -> 5 ms, one row 0.45 -> 0.04 ms) for contiguous fp32 CPU logits."""
     ops = cpu_kernels.fp32_ops(logits) if logits.is_contiguous() and logits.shape[-1] > 0 else None
     return ops.argmax_rows(logits) if ops is not None else logits.argmax(dim=-1)
 
