@@ -122,9 +122,9 @@ def test_decode_steps_match_transformers(kernels, hk, hv, dk, dv, slots):
 @pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 32, 16), (3, 3, 16, 32), (1, 2, 33, 40)])
 @pytest.mark.parametrize("decay_scale", [0.01, 100.0])
 def test_prefill_matches_transformers(kernels, hk, hv, dk, dv, decay_scale):
-    # Lengths below the conv width and around the 64-token chunk; fresh and continuing sequences, whose
-    # slots are shuffled and one slot (4) is nobody's.
-    lengths, slots = [1, 2, 64, 65, 130, 7], [5, 0, 2, 6, 1, 3]
+    # Lengths below the conv width, around transformers' 64-token chunk and past the op's 256-token
+    # segment; fresh and continuing sequences, whose slots are shuffled and one slot (4) is nobody's.
+    lengths, slots = [1, 2, 64, 65, 300, 7], [5, 0, 2, 6, 1, 3]
     has_initial = [False, True, True, False, True, False]
     ours, ref = (Layer(hk, hv, dk, dv, num_slots=7, seed=0, decay_scale=decay_scale) for _ in range(2))
     qkvz, ba = ours.step_inputs(sum(lengths))

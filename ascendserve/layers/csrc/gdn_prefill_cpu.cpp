@@ -41,6 +41,9 @@ namespace {
 using namespace ascendserve_gdn;
 
 constexpr int64_t kCols = 32;  // state columns per pass over a sequence's tokens
+// Tokens gathered at a time: bounds each thread's scratch (~0.5 MiB at dk = dv = 128) whatever the
+// prefill chunk's length; the state block goes in and out once per segment, 2 x 16 KiB per 256 tokens.
+constexpr int64_t kSegment = 256;
 
 // fp32 scratch starting on a 64-byte boundary: the state block's AVX-512 loads and stores each
 // straddled two cache lines from a plain vector's 16-byte alignment, which made the recurrence 1.8x slower.
@@ -225,7 +228,7 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
     FlushDenormals flush;
     int64_t max_len = 0;
     for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, cu[b + 1] - cu[b]);
-    TokenInputs in(max_len, d.dk, d.dv);
+    TokenInputs in(std::min(max_len, kSegment), d.dk, d.dv);
     AlignedFloats block(d.dk * kCols);
     const int64_t group = d.hv / d.hk;
     const float scale = 1.f / std::sqrt(static_cast<float>(d.dk));
@@ -236,28 +239,31 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
       if (len == 0) continue;
       const float a_scale = std::exp(a_log[h]);
       const int64_t q_at = kh * d.dk, k_at = d.key_dim + kh * d.dk, v_at = 2 * d.key_dim + h * d.dv;
-      for (int64_t r = 0; r < len; ++r) {
-        const float* xr = xs + (t0 + r) * d.channels;
-        l2norm_into(xr + q_at, d.dk, scale, in.q.data() + r * d.dk);
-        l2norm_into(xr + k_at, d.dk, 1.f, in.k.data() + r * d.dk);
-        std::copy(xr + v_at, xr + v_at + d.dv, in.v.data() + r * d.dv);
-        const float* bar = bas + (t0 + r) * ba_stride;
-        in.beta[r] = 1.f / (1.f + std::exp(-bar[h]));
-        in.decay[r] = std::exp(-a_scale * softplus(bar[d.hv + h] + dt[h]));
-      }
-      for (int64_t j0 = 0; j0 < d.dv; j0 += kCols) {  // the block in, all tokens, the block back
-        const int64_t nc = std::min(kCols, d.dv - j0);
-        for (int64_t i = 0; i < d.dk; ++i)
-          std::copy(s + i * d.dv + j0, s + i * d.dv + j0 + nc, block.data() + i * nc);
-        recur_block(d.dk, nc, len, in, in.v.data() + j0, d.dv, block.data(), in.o.data() + j0, d.dv);
-        for (int64_t i = 0; i < d.dk; ++i)
-          std::copy(block.data() + i * nc, block.data() + (i + 1) * nc, s + i * d.dv + j0);
-      }
-      for (int64_t r = 0; r < len; ++r) {  // gated RMSNorm of each output row
-        const float* z = zs + (t0 + r) * qkvz_stride + h * d.dv;
-        float* o = o_all + (t0 + r) * d.value_dim + h * d.dv;
-        std::copy(in.o.data() + r * d.dv, in.o.data() + (r + 1) * d.dv, o);
-        gated_rms_norm(o, z, nw, d.dv, eps);
+      for (int64_t s0 = 0; s0 < len; s0 += kSegment) {  // the tokens a segment at a time
+        const int64_t first = t0 + s0, count = std::min(kSegment, len - s0);
+        for (int64_t r = 0; r < count; ++r) {
+          const float* xr = xs + (first + r) * d.channels;
+          l2norm_into(xr + q_at, d.dk, scale, in.q.data() + r * d.dk);
+          l2norm_into(xr + k_at, d.dk, 1.f, in.k.data() + r * d.dk);
+          std::copy(xr + v_at, xr + v_at + d.dv, in.v.data() + r * d.dv);
+          const float* bar = bas + (first + r) * ba_stride;
+          in.beta[r] = 1.f / (1.f + std::exp(-bar[h]));
+          in.decay[r] = std::exp(-a_scale * softplus(bar[d.hv + h] + dt[h]));
+        }
+        for (int64_t j0 = 0; j0 < d.dv; j0 += kCols) {  // the block in, the segment's tokens, the block back
+          const int64_t nc = std::min(kCols, d.dv - j0);
+          for (int64_t i = 0; i < d.dk; ++i)
+            std::copy(s + i * d.dv + j0, s + i * d.dv + j0 + nc, block.data() + i * nc);
+          recur_block(d.dk, nc, count, in, in.v.data() + j0, d.dv, block.data(), in.o.data() + j0, d.dv);
+          for (int64_t i = 0; i < d.dk; ++i)
+            std::copy(block.data() + i * nc, block.data() + (i + 1) * nc, s + i * d.dv + j0);
+        }
+        for (int64_t r = 0; r < count; ++r) {  // gated RMSNorm of each output row
+          const float* z = zs + (first + r) * qkvz_stride + h * d.dv;
+          float* o = o_all + (first + r) * d.value_dim + h * d.dv;
+          std::copy(in.o.data() + r * d.dv, in.o.data() + (r + 1) * d.dv, o);
+          gated_rms_norm(o, z, nw, d.dv, eps);
+        }
       }
     }
   });
