@@ -224,10 +224,10 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
   float* o_all = out.data_ptr<float>();
   const int64_t qkvz_stride = qkvz.stride(0), ba_stride = ba.stride(0);
   const float eps = static_cast<float>(norm_eps);
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, cu[b + 1] - cu[b]);
   at::parallel_for(0, batch * d.hv, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals flush;
-    int64_t max_len = 0;
-    for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, cu[b + 1] - cu[b]);
     TokenInputs in(std::min(max_len, kSegment), d.dk, d.dv);
     AlignedFloats block(d.dk * kCols);
     const int64_t group = d.hv / d.hk;
