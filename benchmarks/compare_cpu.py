@@ -11,6 +11,12 @@ the weight bytes one decode step reads) puts single-stream decode in proportion.
     .venv/bin/python benchmarks/compare_cpu.py --quick             # smoke, every engine: ~30 min (vLLM start-ups)
     .venv/bin/python benchmarks/compare_cpu.py --max-prompts transformers@qwen35=16
     .venv/bin/python benchmarks/compare_cpu.py --models demo --engines ascendserve,llamacpp --concurrency 1,8
+    .venv/bin/python benchmarks/compare_cpu.py --models demo --engines ascendserve,vllm --rounds 3
+
+The host's speed drifts (15-40% over minutes on a shared VM), so one engine measured after another can
+win or lose by the drift alone. --rounds N runs every configuration N times, in alternating order
+(A B, B A, A B, ...): each level reports the run of median tok/s, and the ratio column the median of
+the per-round ratios, each from runs minutes apart.
 """
 
 import argparse
@@ -20,6 +26,7 @@ import platform
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -79,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--ascendserve-args 'C=1:--quantization int4' --ascendserve-args 'ASCENDSERVE_COMPACT_WEIGHTS=0'")
     p.add_argument("--transformers-dtype", default=None,
                    help="default: bfloat16 on CPUs with AMX or AVX512-BF16, else float32")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every configuration this many times, the order reversed each round; report medians")
     p.add_argument("--run-timeout", type=float, default=3600, help="seconds for one `bench serve` run")
     p.add_argument("--quick", action="store_true",
                    help="smoke settings: 16 in / 16 out, concurrency 1,2, 2 prompts per level")
@@ -97,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--concurrency takes integers like 1,8,16,64, got {ns.concurrency!r}") from None
     if not ns.levels or min(ns.levels) < 1:
         raise SystemExit(f"--concurrency levels must be >= 1, got {ns.concurrency!r}")
+    if ns.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {ns.rounds}")
     ns.caps = _caps(ns.max_prompts)
     return ns
 
@@ -409,7 +420,7 @@ def run_level(ns, cfg: Config, model: Model, server: Server, level: int, out_dir
     return summary
 
 
-def run_config(ns, cfg: Config, model: Model, out_dir: Path, log_dir: Path) -> dict:
+def run_config(ns, cfg: Config, model: Model, out_dir: Path, log_dir: Path, round_no: int = 1) -> dict:
     """Start the server (once, or per level), warm it up, run every level, stop it."""
     record = {"engine": cfg.engine, "weights": cfg.weights, "decode_bytes": cfg.decode_bytes,
               "servers": [], "levels": {}}
@@ -419,7 +430,8 @@ def run_config(ns, cfg: Config, model: Model, out_dir: Path, log_dir: Path) -> d
     for levels in groups:
         port = peers.free_port()
         spec = cfg.spec(port, max(levels))
-        tag = cfg.label.replace(" ", "-") + (f"-c{levels[0]}" if cfg.restart_per_level else "")
+        tag = (cfg.label.replace(" ", "-") + (f"-c{levels[0]}" if cfg.restart_per_level else "")
+               + (f"-round{round_no}" if ns.rounds > 1 else ""))
         log = log_dir / f"{model.name}-{tag}.log"
         print(f"[{model.name}] {cfg.label}: starting (log {log})", flush=True)
         start = time.monotonic()
@@ -446,6 +458,36 @@ def run_config(ns, cfg: Config, model: Model, out_dir: Path, log_dir: Path) -> d
     return record
 
 
+def merge_rounds(records: list[dict]) -> dict:
+    """One configuration's runs (one record per round) as one record: at each level the summary of the
+    run with the median tok/s (the lower of the middle two for an even count), with every round's tok/s
+    in "rounds" (None where a run failed) for per-round ratios."""
+    merged = {**records[-1], "servers": [s for r in records for s in r["servers"]],
+              "wall_s": round(sum(r.get("wall_s", 0) for r in records), 1), "levels": {}}
+    for level in dict.fromkeys(c for r in records for c in r["levels"]):
+        summaries = [r["levels"].get(level, {"error": "not run"}) for r in records]
+        ok = sorted((s for s in summaries if _ok(s)), key=lambda s: s["output_throughput"])
+        chosen = ok[(len(ok) - 1) // 2] if ok else summaries[-1]
+        merged["levels"][level] = {**chosen, "rounds": [s["output_throughput"] if _ok(s) else None
+                                                        for s in summaries]}
+    return merged
+
+
+def _ok(summary: dict) -> bool:
+    return "output_throughput" in summary and not summary.get("error")
+
+
+def round_ratios(records: dict[str, dict], level: int) -> list[float]:
+    """Per round: ascendserve's best tok/s over the best peer's in that round (rounds where both ran)."""
+    def best(engine_is_ours: bool, i: int) -> float | None:
+        figures = [rounds[i] for r in records.values() if (r["engine"] == "ascendserve") == engine_is_ours
+                   and (rounds := r["levels"].get(level, {}).get("rounds")) and i < len(rounds) and rounds[i]]
+        return max(figures, default=None)
+    count = max((len(r["levels"].get(level, {}).get("rounds") or []) for r in records.values()), default=0)
+    pairs = [(best(True, i), best(False, i)) for i in range(count)]
+    return [ours / peer for ours, peer in pairs if ours and peer]
+
+
 def _ascendserve_dtype(log: Path) -> str | None:
     """The dtype ascendserve's "Engine ready ..., dtype torch.float32, ..." line names."""
     for line in log.read_text(errors="replace").splitlines():
@@ -458,7 +500,7 @@ def _ascendserve_dtype(log: Path) -> str | None:
 def _best(records: dict[str, dict], engine: str, level: int) -> tuple[str, dict] | None:
     """The engine's configuration with the highest output tok/s at `level` (label, summary)."""
     runs = [(label, r["levels"].get(level, {})) for label, r in records.items() if r["engine"] == engine]
-    runs = [(label, s) for label, s in runs if "output_throughput" in s and not s.get("error")]
+    runs = [(label, s) for label, s in runs if _ok(s)]
     return max(runs, key=lambda x: x[1]["output_throughput"], default=None)
 
 
@@ -488,6 +530,9 @@ def model_tables(ns, model_result: dict, bandwidth: float) -> list[str]:
                    key=lambda x: x[1]["output_throughput"], default=None)
         ratio = (f"{ours[1]['output_throughput'] / peer[1]['output_throughput']:.2f}x ({peer[0]})"
                  if ours and peer else "-")
+        if ours and peer and len(per_round := round_ratios(records, level)) > 1:
+            ratio = (f"{statistics.median(per_round):.2f}x ({peer[0]}; rounds "
+                     + ", ".join(f"{x:.2f}" for x in per_round) + ")")
         lines.append("| " + " | ".join(row + [ratio]) + " |")
     lines += [f"\nNote: {note}" for note in model_result["notes"]]
     lines += ["", "Every configuration (output tok/s / TTFT p50 ms / TPOT p50 ms; wall: start-ups, warm-ups and "
@@ -500,7 +545,9 @@ def model_tables(ns, model_result: dict, bandwidth: float) -> list[str]:
             s = r["levels"].get(c, {})
             cells.append("-" if not s else s["error"][:60] if s.get("error") else
                          f"{s['output_throughput']:.1f} / {s['median_ttft_ms']:.0f} / {s['median_tpot_ms']:.1f}"
-                         + (f" (cap {s['cap']})" if s.get("cap") else "") + (" short" if s.get("warning") else ""))
+                         + (f" (cap {s['cap']})" if s.get("cap") else "") + (" short" if s.get("warning") else "")
+                         + (" (rounds " + ", ".join("-" if x is None else f"{x:.1f}" for x in s["rounds"]) + ")"
+                            if len(s.get("rounds") or []) > 1 else ""))
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {r.get('wall_s', '-')} |")
     lines += ["", f"Roofline: {bandwidth:.1f} GB/s read bandwidth (the best of a probe before and after the "
               "runs) / weight bytes read per decode step "
@@ -556,7 +603,10 @@ def write_report(ns, run_dir: Path, meta: dict, results: dict) -> Path:
              f"seed {ns.seed} + C; prompts per level max({ns.min_prompts}, {ns.prompts_per_concurrency} x C)"
              + (f", capped: {ns.max_prompts}" if ns.max_prompts else "") + ".",
              "Cells show each engine's best configuration at that level; `cap N`: fewer prompts than the "
-             "level's count; `short`: fewer tokens generated than asked.", ""]
+             "level's count; `short`: fewer tokens generated than asked."
+             + (f" {ns.rounds} rounds, the configurations' order reversed each round: a cell is the run of "
+                "median tok/s, the ratio the median of the per-round ratios (each listed)." if ns.rounds > 1 else ""),
+             ""]
     for model_result in results.values():
         lines += model_tables(ns, model_result, meta["bandwidth_gbs"])
     lines += ["## Versions", "", "```", json.dumps(meta["versions"], indent=2), "```", "",
@@ -609,14 +659,21 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {k: v for k, v in vars(ns).items() if k != "caps"}}
     results = {}
     for model in models:
-        records, notes = {}, []
-        for cfg in configs(ns, model, venvs, notes):
-            out_dir = run_dir / model.name / cfg.label.replace(" ", "-")
-            out_dir.mkdir(parents=True, exist_ok=True)
-            records[cfg.label] = run_config(ns, cfg, model, out_dir, work.logs / stamp)
-        results[model.name] = {"title": model.title, "hf_dir": str(model.hf_dir), "configs": records,
-                               "notes": notes}
-        write_report(ns, run_dir, meta, results)  # after each model, so a long run leaves partial results
+        notes = []
+        cfgs = configs(ns, model, venvs, notes)
+        runs: dict[str, list[dict]] = {cfg.label: [] for cfg in cfgs}
+        for r in range(ns.rounds):
+            if ns.rounds > 1:
+                print(f"[{model.name}] round {r + 1} of {ns.rounds}", flush=True)
+            for cfg in cfgs if r % 2 == 0 else cfgs[::-1]:
+                out_dir = run_dir / model.name / cfg.label.replace(" ", "-")
+                if ns.rounds > 1:
+                    out_dir /= f"round{r + 1}"
+                out_dir.mkdir(parents=True, exist_ok=True)
+                runs[cfg.label].append(run_config(ns, cfg, model, out_dir, work.logs / stamp, r + 1))
+            results[model.name] = {"title": model.title, "hf_dir": str(model.hf_dir), "notes": notes,
+                                   "configs": {label: merge_rounds(recs) for label, recs in runs.items()}}
+            write_report(ns, run_dir, meta, results)  # after each round, so a long run leaves partial results
     after = measure_read_bandwidth(ns.threads)  # a busy host lowers one probe: keep the better of two
     meta.update(bandwidth_gbs=max(bandwidth, after), bandwidth_probes_gbs=[bandwidth, after],
                 wall_s=round(time.monotonic() - start))

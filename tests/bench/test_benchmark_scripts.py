@@ -97,3 +97,40 @@ def test_a_q4_gguf_counts_its_grid_for_the_roofline(tmp_path):
     assert config.weights == "4-bit grid (Q4 layers), fp32 rest" and config.decode_bytes == int(expected)
     fp32 = compare_cpu._ascendserve(ns, model, 1000, False, 448, "ASCENDSERVE_COMPACT_WEIGHTS=0")
     assert fp32.weights == "float32" and fp32.decode_bytes == 4000
+
+
+def _summary(tok_s: float, ttft: float) -> dict:
+    return {"output_throughput": tok_s, "median_ttft_ms": ttft, "median_tpot_ms": 100.0}
+
+
+def test_rounds_keep_the_median_run_and_the_ratio_of_each_round():
+    compare_cpu = _module("compare_cpu")
+    ours = [{"engine": "ascendserve", "servers": [{"command": f"a{i}"}], "wall_s": 10, "weights": "float32",
+             "decode_bytes": 1, "levels": {64: _summary(tok, 100 + i)}} for i, tok in enumerate((150, 200, 180))]
+    theirs = [{"engine": "vllm", "servers": [{"command": f"v{i}"}], "wall_s": 20, "weights": "float32",
+               "decode_bytes": 1, "levels": {64: _summary(tok, 200 + i)}} for i, tok in enumerate((150, 140, 160))]
+    theirs[2]["levels"][64] = {"error": "server died"}
+    merged = {"ascendserve": compare_cpu.merge_rounds(ours), "vllm float32": compare_cpu.merge_rounds(theirs)}
+    # The median run (180 tok/s, round 3) is kept whole, TTFT included; every round's figure is listed.
+    assert merged["ascendserve"]["levels"][64]["median_ttft_ms"] == 102
+    assert merged["ascendserve"]["levels"][64]["rounds"] == [150, 200, 180]
+    assert len(merged["ascendserve"]["servers"]) == 3 and merged["ascendserve"]["wall_s"] == 30
+    # Two good runs of three: the lower of the middle two; the failed round counts as None.
+    assert merged["vllm float32"]["levels"][64]["output_throughput"] == 140
+    assert merged["vllm float32"]["levels"][64]["rounds"] == [150, 140, None]
+    # Ratios only from rounds where both ran: 150/150, 200/140.
+    assert compare_cpu.round_ratios(merged, 64) == pytest.approx([1.0, 200 / 140])
+    ns = compare_cpu.parse_args(["--threads", "2", "--engines", "ascendserve,vllm", "--concurrency", "64",
+                                 "--rounds", "3"])
+    table = "\n".join(compare_cpu.model_tables(ns, {"title": "demo", "configs": merged, "notes": []}, 20.0))
+    assert "1.21x (vllm float32; rounds 1.00, 1.43)" in table  # the median of the two per-round ratios
+    assert "180.0 / 102 / 100.0 (rounds 150.0, 200.0, 180.0)" in table
+
+
+def test_a_failed_configuration_merges_to_its_error():
+    compare_cpu = _module("compare_cpu")
+    runs = [{"engine": "vllm", "servers": [], "levels": {8: {"error": f"boom {i}"}}} for i in range(2)]
+    merged = compare_cpu.merge_rounds(runs)
+    assert merged["levels"][8]["error"] == "boom 1" and merged["levels"][8]["rounds"] == [None, None]
+    with pytest.raises(SystemExit, match="--rounds must be >= 1"):
+        compare_cpu.parse_args(["--rounds", "0"])
