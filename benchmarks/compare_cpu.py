@@ -247,9 +247,10 @@ def gguf_decode_bytes(path: Path, tensor_bytes: Callable | None = None) -> int:
 
 def gguf_grid_decode_bytes(path: Path) -> int:
     """gguf_decode_bytes as ascendserve's single-stream decode reads a GGUF run in fp32: Q4_0 / Q4_1 layers
-    from their 4-bit grid (0.5 byte a weight + fp32 d and m per 32: 0.75), everything else as fp32 (the
-    tied lm_head included)."""
-    return gguf_decode_bytes(path, lambda t: t.n_elements * (0.75 if t.tensor_type.name in ("Q4_0", "Q4_1") else 4))
+    from their 4-bit grid (0.5 byte a weight + fp32 d and m per 32: 0.75), Q8_0 ones (the demo's tied
+    lm_head) from their 8-bit grid (1 byte + fp32 d per 32: 1.125), everything else as fp32."""
+    grid = {"Q4_0": 0.75, "Q4_1": 0.75, "Q8_0": 1.125}
+    return gguf_decode_bytes(path, lambda t: t.n_elements * grid.get(t.tensor_type.name, 4))
 
 
 def measure_read_bandwidth(threads: int, reps: int = 5) -> float:
@@ -314,8 +315,8 @@ def _ascendserve(ns, model: Model, params: int, fast_bf16: bool, ctx: int, extra
     elif dtype == "float32" and env.get("ASCENDSERVE_COMPACT_WEIGHTS", "1").lower() not in ("0", "off", "false", "no"):
         if _checkpoint_dtype(model.ascendserve_path) == "bfloat16":
             weights, nbytes = "bf16 weights, fp32 compute", params * 2  # layers/linear.py Bf16Linear
-        elif model.ascendserve_path.suffix == ".gguf":  # Q4 layers read their grid up to 32 rows
-            weights, nbytes = "4-bit grid (Q4 layers), fp32 rest", gguf_grid_decode_bytes(model.ascendserve_path)
+        elif model.ascendserve_path.suffix == ".gguf":  # Q4 / Q8_0 layers read their grid at small batches
+            weights, nbytes = "4/8-bit grids (Q4 / Q8_0), fp32 rest", gguf_grid_decode_bytes(model.ascendserve_path)
     argv = [Path(sys.executable).with_name("ascendserve"), "serve", model.ascendserve_path, "--served-model-name",
             model.name, "--host", "127.0.0.1", "--max-model-len", ctx, "--seed", ns.seed, *flags]
     return Config("ascendserve", " ".join(["ascendserve", *tokens]), lambda port, c: ServerSpec(

@@ -1,15 +1,15 @@
 """C++ kernels for CPUs, compiled on first use with torch's extension builder and cached.
 
 Only what plain torch cannot do without extra memory traffic lives here: paged decode attention
-(csrc/paged_decode_cpu.cpp), the linears that keep bf16 or 4-bit weights and compute in fp32
-(csrc/bf16_linear_cpu.cpp, csrc/q4_linear_cpu.cpp), the Gated DeltaNet decode step and prefill, each
+(csrc/paged_decode_cpu.cpp), the linears that keep bf16, 4-bit or 8-bit weights and compute in fp32
+(csrc/bf16_linear_cpu.cpp, csrc/q4_linear_cpu.cpp, csrc/q8_linear_cpu.cpp), the Gated DeltaNet decode step and prefill, each
 in one op (csrc/gdn_decode_cpu.cpp, csrc/gdn_prefill_cpu.cpp), the gated MLP's silu(gate) * up
 in one pass (csrc/silu_and_mul_cpu.cpp), RMSNorm in one pass per row (csrc/rms_norm_cpu.cpp),
 the rotary embedding in one pass (csrc/rope_cpu.cpp), and greedy sampling's argmax (csrc/argmax_cpu.cpp).
 The build needs a C++ compiler (g++) and ninja; it is cached under TORCH_EXTENSIONS_DIR (default
 ~/.cache/torch_extensions), so only the first process pays for it (about 30 s). Without a compiler,
 or with ASCENDSERVE_CPU_KERNELS=0, `ops()` returns None and the layers keep their plain-torch path
-(attention gathers K/V; bf16 / 4-bit-valued weights stay fp32; Gated DeltaNet, the gated MLP
+(attention gathers K/V; bf16 / 4-bit / 8-bit-valued weights stay fp32; Gated DeltaNet, the gated MLP
 activation, RMSNorm and rotary run as several torch ops; greedy rows use torch.argmax), after one warning
 line that says why.
 """
@@ -28,8 +28,8 @@ from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ["paged_decode_cpu.cpp", "bf16_linear_cpu.cpp", "q4_linear_cpu.cpp", "gdn_decode_cpu.cpp",
-            "gdn_prefill_cpu.cpp", "silu_and_mul_cpu.cpp", "rms_norm_cpu.cpp", "rope_cpu.cpp",
+_SOURCES = ["paged_decode_cpu.cpp", "bf16_linear_cpu.cpp", "q4_linear_cpu.cpp", "q8_linear_cpu.cpp",
+            "gdn_decode_cpu.cpp", "gdn_prefill_cpu.cpp", "silu_and_mul_cpu.cpp", "rms_norm_cpu.cpp", "rope_cpu.cpp",
             "argmax_cpu.cpp"]
 _lock = threading.Lock()
 _state: dict = {}  # "ops": the loaded op namespace or None once a load was tried
@@ -71,13 +71,13 @@ def _load():
                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, headers missing: keep the torch path
-        logger.warning("CPU kernels not built (%s: %s); paged decode attention, bf16 / 4-bit-valued weights "
-                       "and Gated DeltaNet stay on the slower plain-torch paths. Install g++ "
+        logger.warning("CPU kernels not built (%s: %s); paged decode attention, bf16 / 4-bit / 8-bit-valued "
+                       "weights and Gated DeltaNet stay on the slower plain-torch paths. Install g++ "
                        "and ninja, or set ASCENDSERVE_CPU_KERNELS=0 to silence this.",
                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
-    logger.info("CPU kernels (paged decode attention, bf16 and 4-bit weight linears, Gated DeltaNet, SiLU-and-mul, "
-                "RMSNorm, rotary, argmax) ready in %.1f s", time.perf_counter() - start)
+    logger.info("CPU kernels (paged decode attention, bf16, 4-bit and 8-bit weight linears, Gated DeltaNet, "
+                "SiLU-and-mul, RMSNorm, rotary, argmax) ready in %.1f s", time.perf_counter() - start)
     return torch.ops.ascendserve_cpu
 
 

@@ -59,6 +59,10 @@ layer keeps q as half a byte plus d and m per block: an eighth of the fp32 bytes
 products, regrouped. It wins up to some 32 rows (above, MKL's fp32 GEMM, no longer bound by the weight
 bytes, outruns a kernel that spends its time widening nibbles), so the layer keeps its fp32 (MKL-packed)
 form for larger batches and holds the 4-bit copy beside it.
+
+8-bit grid, fp32 compute (Q8Linear): the same for a Q8_0 GGUF tensor, d * q per 32 inputs with q in
+-128..127 (find_q8_grid; csrc/q8_linear_cpu.cpp), a byte per weight. The demo's tied token embedding is
+Q8_0, so its lm_head, 113 MB of fp32 and the largest read of a single-stream decode step, reads 32 MB.
 """
 
 import torch
@@ -76,6 +80,8 @@ PANEL_ROWS = 32  # output rows per panel of the bf16 and 4-bit packs (csrc/*_lin
 BF16_KERNEL_MAX_ROWS = 256  # above, widen the weight for the call and use F.linear (see the docstring)
 Q4_GROUP = 32  # inputs per (d, m) block of the 4-bit grid (csrc/q4_linear_cpu.cpp), GGUF's block size
 Q4_KERNEL_MAX_ROWS = 32  # above, the fp32 layer (MKL): see Q4Linear
+Q8_GROUP = 32  # inputs per d of the 8-bit grid (csrc/q8_linear_cpu.cpp), GGUF Q8_0's block size
+Q8_KERNEL_MAX_ROWS = 24  # above, the fp32 layer (MKL): see Q8Linear
 PACK_ROWS = 64  # the m each weight is packed for
 MIN_PACKED_ROWS = 4  # below, F.linear (MKL's gemv) was as fast, or faster for K >= 1024
 MAX_PACKED_ROWS = 128  # above, F.linear was as fast or faster (prefill)
@@ -183,7 +189,23 @@ class Bf16Linear(KernelLinear):
         return F.linear(x, self.kernels.bf16_unpack(self.packed, self.out_features), self.bias)
 
 
-class Q4Linear(KernelLinear):
+class GridLinear(KernelLinear):
+    """A compact copy of an fp32 layer whose values lie on a grid, for batches of up to max_rows rows;
+    larger batches run the fp32 layer it wraps (`dense`: a PackedLinear, or the nn.Linear)."""
+
+    def __init__(self, dense: nn.Module, kernels) -> None:
+        super().__init__(dense, kernels)
+        self.dense = dense
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.dense.bias
+
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(x)
+
+
+class Q4Linear(GridLinear):
     """The 4-bit copy (W = d * q + m per 32 inputs) of an fp32 layer, for batches of up to max_rows rows.
 
     Larger batches run the fp32 layer it wraps (`dense`: a PackedLinear, or the nn.Linear): there
@@ -201,21 +223,35 @@ class Q4Linear(KernelLinear):
 
     def __init__(self, dense: nn.Module, grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kernels) -> None:
         super().__init__(dense, kernels)
-        self.dense = dense
         q, scales, mins = pack_q4(*grid)
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("mins", mins, persistent=False)
 
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.dense.bias
-
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.q4_linear(x, self.q, self.scales, self.mins, self.out_features, self.bias)
 
-    def _large(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense(x)
+
+class Q8Linear(GridLinear):
+    """The 8-bit copy (W = d * q, q in -128..127, per 32 inputs) of an fp32 layer, for batches of up to
+    max_rows rows: a dequantized Q8_0 GGUF tensor, like the demo model's token embedding, which is also
+    its tied lm_head (49152 x 576: 113 MB of fp32 a decode step, 32 MB as 8-bit plus d). Demo decode
+    steps of B rows, the bound switched between steps of one process (0: MKL's fp32 GEMM; median ms a
+    step): B=1 20.1 -> 16.5, B=8 54.8 -> 51.3, B=16 75.6 -> 74.1, B=24 87.2 -> 84.8, B=32 117.5 -> 123.7,
+    so the kernel runs up to 24 rows (its 6-row tile converts each byte to fp32: compute-bound there).
+    """
+
+    max_rows = Q8_KERNEL_MAX_ROWS
+    weight_format = f"8-bit grid per {Q8_GROUP} inputs up to {Q8_KERNEL_MAX_ROWS} rows, fp32 above"
+
+    def __init__(self, dense: nn.Module, grid: tuple[torch.Tensor, torch.Tensor], kernels) -> None:
+        super().__init__(dense, kernels)
+        q, scales = pack_q8(*grid)
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q8_linear(x, self.q, self.scales, self.out_features, self.bias)
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -266,17 +302,50 @@ def _fit_grid(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
     return (q * d[..., None] + m[..., None] - blocks).abs().amax(-1) <= tol, q, d, m
 
 
+def find_q8_grid(weight: torch.Tensor, rows_per_pass: int = 4096):
+    """(q int8 [N, K], d [N, K/32]) with weight == d * q blockwise, else None.
+
+    A dequantized Q8_0 block is d * q with q = round(w / d) for d = (its largest magnitude) / 127, so
+    that value is d * +-127 and d is found from it. A block fits when every value is reproduced to 2^-20
+    of its largest magnitude (in practice exactly); one block that does not and the layer stays as it is.
+    """
+    n, k = weight.shape
+    if k % Q8_GROUP:
+        return None
+    qs, ds = [], []
+    for start in range(0, n, rows_per_pass):
+        blocks = weight[start:start + rows_per_pass].reshape(-1, k // Q8_GROUP, Q8_GROUP)
+        amax = blocks.abs().amax(-1)
+        d = amax / 127
+        q = (blocks / torch.where(d == 0, torch.ones_like(d), d)[..., None]).round_()
+        if not bool(((q * d[..., None] - blocks).abs().amax(-1) <= amax * 2.0 ** -20).all()):
+            return None
+        qs.append(q.to(torch.int8).reshape(-1, k))
+        ds.append(d)
+    return torch.cat(qs), torch.cat(ds)
+
+
+def _panel_lanes(t: torch.Tensor, panels: int) -> torch.Tensor:
+    """Per-row, per-block values t [N, B] -> [N/32, B, 32] fp32: a panel's 32 rows side by side, N padded."""
+    t = F.pad(t.float(), (0, 0, 0, panels * PANEL_ROWS - t.shape[0]))
+    return t.view(panels, PANEL_ROWS, -1).transpose(1, 2).contiguous()
+
+
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
     """(q [N/32, K/2, 32] uint8: byte = q[n, 2i] | q[n, 2i+1] << 4; d and m [N/32, K/32, 32] fp32), N padded."""
     n, k = q.shape
     panels = -(-n // PANEL_ROWS)
-    pad = panels * PANEL_ROWS - n
-    q = F.pad(q, (0, 0, 0, pad))
+    q = F.pad(q, (0, 0, 0, panels * PANEL_ROWS - n))
     pairs = (q[:, 0::2] | (q[:, 1::2] << 4)).view(panels, PANEL_ROWS, k // 2).transpose(1, 2).contiguous()
+    return pairs, _panel_lanes(d, panels), _panel_lanes(m, panels)
 
-    def lanes(t: torch.Tensor) -> torch.Tensor:
-        return F.pad(t.float(), (0, 0, 0, pad)).view(panels, PANEL_ROWS, -1).transpose(1, 2).contiguous()
-    return pairs, lanes(d), lanes(m)
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor):
+    """(q [N/32, K, 32] int8: a panel's 32 rows side by side per input; d [N/32, K/32, 32] fp32), N padded."""
+    n, k = q.shape
+    panels = -(-n // PANEL_ROWS)
+    q = F.pad(q, (0, 0, 0, panels * PANEL_ROWS - n)).view(panels, PANEL_ROWS, k).transpose(1, 2).contiguous()
+    return q, _panel_lanes(d, panels)
 
 
 def _pack_takes_any_rows(weight: torch.Tensor, pack: torch.Tensor) -> bool:
@@ -296,12 +365,13 @@ def prepack_linears_(model: nn.Module) -> dict[str, int]:
 
     All bf16 values -> Bf16Linear. Else PackedLinear (MKL's packed GEMM, unless
     ASCENDSERVE_PACKED_LINEAR=0), wrapped in a Q4Linear for small batches when the values are a 4-bit
-    grid per 32 inputs (a dequantized Q4_0 / Q4_1 GGUF). Bf16Linear and Q4Linear need the CPU kernels
+    grid per 32 inputs (a dequantized Q4_0 / Q4_1 GGUF), or in a Q8Linear when they are an 8-bit one (Q8_0).
+    Bf16Linear, Q4Linear and Q8Linear need the CPU kernels
     and ASCENDSERVE_COMPACT_WEIGHTS not 0. A no-op (zeros) where none applies, e.g. bf16 or non-CPU
     layers. Call after the weights are loaded.
     """
     stats = {"packed": 0, "weight_bytes": 0, "pack_bytes": 0, "padded": 0, "bf16": 0, "bf16_bytes": 0,
-             "q4": 0, "q4_bytes": 0}
+             "q4": 0, "q4_bytes": 0, "q8": 0, "q8_bytes": 0}
     compact, mkl = env_switch(COMPACT_ENV_VAR) is not False, packing_supported()
     any_rows_by_shape: dict[tuple[int, int], bool] = {}
     with torch.no_grad():
@@ -324,11 +394,15 @@ def prepack_linears_(model: nn.Module) -> dict[str, int]:
                     stats["padded"] += not layer.any_rows
                     stats["weight_bytes"] += child.weight.numel() * child.weight.element_size()
                     stats["pack_bytes"] += layer.pack_bytes()
-                grid = find_q4_grid(child.weight.detach()) if compact else None
-                if grid is not None and (kernels := tile_kernels()) is not None:
+                kernels = tile_kernels() if compact else None
+                if kernels is not None and (grid := find_q4_grid(child.weight.detach())) is not None:
                     layer = Q4Linear(layer, grid, kernels)
                     stats["q4"] += 1
                     stats["q4_bytes"] += sum(t.numel() * t.element_size() for t in (layer.q, layer.scales, layer.mins))
+                elif kernels is not None and (grid := find_q8_grid(child.weight.detach())) is not None:
+                    layer = Q8Linear(layer, grid, kernels)
+                    stats["q8"] += 1
+                    stats["q8_bytes"] += sum(t.numel() * t.element_size() for t in (layer.q, layer.scales))
                 if layer is not child:
                     setattr(parent, name, layer)
     if stats["bf16"]:
@@ -339,6 +413,11 @@ def prepack_linears_(model: nn.Module) -> dict[str, int]:
         logger.info("%d fp32 linear layers hold a 4-bit grid per %d inputs (a Q4_0 / Q4_1 GGUF): also kept as "
                     "4-bit (%.1f MiB more) for batches of up to %d rows, multiplied in fp32 by the CPU kernel; "
                     "%s=0 turns this off", stats["q4"], Q4_GROUP, stats["q4_bytes"] / 2**20, Q4_KERNEL_MAX_ROWS,
+                    COMPACT_ENV_VAR)
+    if stats["q8"]:
+        logger.info("%d fp32 linear layers hold an 8-bit grid per %d inputs (Q8_0 GGUF tensors): also kept as "
+                    "8-bit (%.1f MiB more) for batches of up to %d rows, multiplied in fp32 by the CPU kernel; "
+                    "%s=0 turns this off", stats["q8"], Q8_GROUP, stats["q8_bytes"] / 2**20, Q8_KERNEL_MAX_ROWS,
                     COMPACT_ENV_VAR)
     if stats["packed"]:
         rows = f"{MIN_PACKED_ROWS}..{MAX_PACKED_ROWS} rows" if not stats["padded"] else \

@@ -71,8 +71,9 @@ def test_a_level_prefix_and_plain_flags_parse():
 
 
 def test_a_q4_gguf_counts_its_grid_for_the_roofline(tmp_path):
-    # ascendserve keeps Q4_0 / Q4_1 layers as their 4-bit grid (0.5 byte + fp32 d and m per 32 inputs) for
-    # one stream; everything else, the tied Q8_0 embedding as lm_head included, is read as fp32.
+    # ascendserve keeps Q4_0 / Q4_1 layers as their 4-bit grid (0.5 byte + fp32 d and m per 32 inputs) and
+    # Q8_0 ones (the tied embedding as lm_head) as their 8-bit grid (1 byte + fp32 d per 32) for one
+    # stream; everything else is read as fp32.
     import gguf
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
@@ -89,12 +90,12 @@ def test_a_q4_gguf_counts_its_grid_for_the_roofline(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    expected = 64 * 128 * 0.75 + 96 * 128 * 4 + 128 * 4
+    expected = 64 * 128 * 0.75 + 96 * 128 * 1.125 + 128 * 4
     assert compare_cpu.gguf_grid_decode_bytes(path) == int(expected)
     model = compare_cpu.Model("m", "title", tmp_path, path)
     ns = compare_cpu.parse_args(["--threads", "2"])
     config = compare_cpu._ascendserve(ns, model, 1000, False, 448, "")
-    assert config.weights == "4-bit grid (Q4 layers), fp32 rest" and config.decode_bytes == int(expected)
+    assert config.weights == "4/8-bit grids (Q4 / Q8_0), fp32 rest" and config.decode_bytes == int(expected)
     fp32 = compare_cpu._ascendserve(ns, model, 1000, False, 448, "ASCENDSERVE_COMPACT_WEIGHTS=0")
     assert fp32.weights == "float32" and fp32.decode_bytes == 4000
 

@@ -1,0 +1,151 @@
+// y = x @ W.T + b with W stored as 8-bit values on a grid per block of G inputs, W = d * q (fp32 compute).
+//
+// A Q8_0 GGUF tensor (the demo model's token embedding, which is also its tied lm_head) is dequantized at
+// load to fp32 values that are, per block of 32 inputs of a row, d * q with q in -128..127. Keeping q (a
+// byte) and the block's d instead of the fp32 values is the same weight in a quarter of the bytes: the
+// demo's lm_head (49152 x 576) reads 32 MB a decode step instead of 113. The product is computed as
+//     y[n] = sum over blocks g of d[n,g] * sum_{k in g} x[k] q[n,k]
+// in fp32: the weights' own products, regrouped (a different rounding order, as any GEMM's).
+//
+// Packed layout (ascendserve/layers/linear.py, pack_q8): rows in panels of 32 (N padded with zero rows),
+// [N/32][K][32] int8: for input k, byte j = q[n][k] for the panel's row j; scales [N/32][K/G][32] fp32.
+// The tile is the 4-bit kernel's (q4_linear_cpu.cpp) with a byte per weight and no minimum.
+
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "panel_linear.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using ascendserve_panel::kMaxRows;
+using ascendserve_panel::kPanel;
+constexpr int64_t kPrefetchInputs = 64;  // inputs (32 bytes each) prefetched ahead
+
+struct Q8Panel {
+  const int8_t* q;      // [K][32]
+  const float* scales;  // [K/G][32]
+  int64_t group;        // G, inputs per d
+};
+
+// Any CPU: the same tile in plain C++ (also the reference the AVX-512 path is tested against).
+void tile_portable(int rows, const float* x, int64_t ldx, int64_t groups, const Q8Panel& w, float* out,
+                   int64_t ldo, int64_t cols, const float* bias) {
+  float acc[kMaxRows][kPanel] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    float block[kMaxRows][kPanel] = {};
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+      const int8_t* bytes = w.q + k * kPanel;
+      for (int m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < kPanel; ++j) block[m][j] += x[m * ldx + k] * static_cast<float>(bytes[j]);
+    }
+    const float* d = w.scales + g * kPanel;
+    for (int m = 0; m < rows; ++m)
+      for (int64_t j = 0; j < kPanel; ++j) acc[m][j] += d[j] * block[m][j];
+  }
+  for (int m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < cols; ++j) out[m * ldo + j] = acc[m][j] + (bias ? bias[j] : 0.f);
+}
+
+#if defined(__AVX512F__)
+template <int ROWS>
+void tile_avx512(const float* x, int64_t ldx, int64_t groups, const Q8Panel& w, float* out, int64_t ldo,
+                 int64_t cols, const float* bias) {
+  __m512 acc[ROWS][2];
+  for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 block[ROWS][2];
+    for (int m = 0; m < ROWS; ++m) block[m][0] = block[m][1] = _mm512_setzero_ps();
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+      const int8_t* bytes = w.q + k * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchInputs * kPanel), _MM_HINT_T0);
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
+      const __m512 q1 =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16))));
+      for (int m = 0; m < ROWS; ++m) {
+        const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+        block[m][0] = _mm512_fmadd_ps(xv, q0, block[m][0]);
+        block[m][1] = _mm512_fmadd_ps(xv, q1, block[m][1]);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(w.scales + g * kPanel), d1 = _mm512_loadu_ps(w.scales + g * kPanel + 16);
+    for (int m = 0; m < ROWS; ++m) {
+      acc[m][0] = _mm512_fmadd_ps(d0, block[m][0], acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(d1, block[m][1], acc[m][1]);
+    }
+  }
+  ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
+}
+
+void tile_fast(int rows, const float* x, int64_t ldx, int64_t groups, const Q8Panel& w, float* out, int64_t ldo,
+               int64_t cols, const float* bias) {
+  switch (rows) {
+    case 1: return tile_avx512<1>(x, ldx, groups, w, out, ldo, cols, bias);
+    case 2: return tile_avx512<2>(x, ldx, groups, w, out, ldo, cols, bias);
+    case 3: return tile_avx512<3>(x, ldx, groups, w, out, ldo, cols, bias);
+    case 4: return tile_avx512<4>(x, ldx, groups, w, out, ldo, cols, bias);
+    case 5: return tile_avx512<5>(x, ldx, groups, w, out, ldo, cols, bias);
+    default: return tile_avx512<6>(x, ldx, groups, w, out, ldo, cols, bias);
+  }
+}
+#else
+void tile_fast(int rows, const float* x, int64_t ldx, int64_t groups, const Q8Panel& w, float* out, int64_t ldo,
+               int64_t cols, const float* bias) {
+  tile_portable(rows, x, ldx, groups, w, out, ldo, cols, bias);
+}
+#endif
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n,
+                  const c10::optional<at::Tensor>& bias, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "q8_linear: x must be a contiguous fp32 [M, K] tensor");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(2) == kPanel,
+              "q8_linear: q must be [N/32, K, 32] int8");
+  const int64_t panels = q.size(0), k = q.size(1);
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == panels && scales.size(1) > 0 && scales.size(2) == kPanel,
+              "q8_linear: scales must be [N/32, K/G, 32] fp32");
+  const int64_t groups = scales.size(1), group = k / groups;
+  TORCH_CHECK(group * groups == k, "q8_linear: K=", k, " is not ", groups, " equal blocks");
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "q8_linear: n=", n, " does not match ", panels,
+              " panels");
+  TORCH_CHECK(x.size(1) == k, "q8_linear: x has ", x.size(1), " columns, the weight ", k);
+  const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "q8_linear");
+  const int64_t m_rows = x.size(0);
+  at::Tensor out = at::empty({m_rows, n}, x.options());
+  if (m_rows == 0) return out;
+  const float* x_ptr = x.data_ptr<float>();
+  const int8_t* q_ptr = q.data_ptr<int8_t>();
+  const float* d_ptr = scales.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  ascendserve_panel::for_each_tile(m_rows, k, n, panels, [&](int64_t p, int64_t m0, int rows, int64_t cols) {
+    const Q8Panel w{q_ptr + p * k * kPanel, d_ptr + p * groups * kPanel, group};
+    (portable ? tile_portable : tile_fast)(rows, x_ptr + m0 * k, k, groups, w, out_ptr + m0 * n + p * kPanel, n,
+                                           cols, bias_ptr ? bias_ptr + p * kPanel : nullptr);
+  });
+  return out;
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n,
+                     const c10::optional<at::Tensor>& bias) {
+  return linear(x, q, scales, n, bias, false);
+}
+
+at::Tensor q8_linear_portable(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n,
+                              const c10::optional<at::Tensor>& bias) {
+  return linear(x, q, scales, n, bias, true);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
+  m.def("q8_linear(Tensor x, Tensor q, Tensor scales, int n, Tensor? bias) -> Tensor");
+  m.def("q8_linear_portable(Tensor x, Tensor q, Tensor scales, int n, Tensor? bias) -> Tensor");
+  m.impl("q8_linear", c10::DispatchKey::CPU, TORCH_FN(q8_linear));
+  m.impl("q8_linear_portable", c10::DispatchKey::CPU, TORCH_FN(q8_linear_portable));
+}

@@ -1,0 +1,114 @@
+"""Q8Linear: weights on an 8-bit grid (dequantized Q8_0, like the demo's tied lm_head) kept as 8-bit,
+multiplied in fp32 by the C++ kernel."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ascendserve.layers import linear as linear_mod
+from ascendserve.layers.linear import Q4Linear, Q8Linear, find_q4_grid, find_q8_grid, pack_q8, prepack_linears_
+from tests.layers.kernel_checks import assert_fp32_product
+
+
+def _q8_0(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A random [N, K] weight through llama.cpp's own Q8_0 quantize / dequantize (the gguf package's reference)."""
+    rng = np.random.default_rng(seed)
+    weight = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(weight, qtype), qtype).reshape(n, k).copy())
+
+
+def _grid_linear(n: int, k: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(_q8_0(n, k, seed))
+    return layer
+
+
+def test_grid_of_a_dequantized_q8_0_is_found_exactly():
+    weight = _q8_0(96, 576)
+    weight[3, :32] = 0  # an all-zero block: d = 0
+    q, d = find_q8_grid(weight)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127 and d.shape == (96, 576 // 32)
+    assert torch.equal((q.float().view(96, -1, 32) * d[..., None]).reshape(96, 576), weight)
+    assert find_q4_grid(weight) is None  # not mistaken for a 4-bit grid
+
+
+def test_weights_off_the_8_bit_grid_are_not_taken():
+    assert find_q8_grid(torch.randn(64, 64)) is None
+    assert find_q8_grid(torch.randn(64, 48)) is None  # K not a multiple of 32
+    weight = _q8_0(64, 64)
+    weight[63, 5] += 1e-4  # one value off its block's grid
+    assert find_q8_grid(weight) is None
+
+
+SHAPES = [(1, 32), (37, 64), (64, 576), (200, 1536)]  # (N, K): N around the 32-row panel
+ROWS = [1, 2, 5, 6, 7, 13, 64, 65, 300]  # around the 6-row tile and the row chunk
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("op", ["q8_linear", "q8_linear_portable"])
+def test_kernel_is_the_fp32_product_of_the_grid_weight(kernels, n, k, bias, op):
+    layer = _grid_linear(n, k, bias)
+    packed = pack_q8(*find_q8_grid(layer.weight.detach()))
+    for rows in ROWS:
+        x = torch.randn(rows, k)
+        assert_fp32_product(getattr(kernels, op)(x, *packed, n, layer.bias), x, layer)
+
+
+def test_layer_runs_its_fp32_layer_above_the_kernel_rows(kernels, monkeypatch):
+    layer = _grid_linear(96, 576, True)
+    q8 = Q8Linear(layer, find_q8_grid(layer.weight.detach()), kernels)
+    calls = []
+    monkeypatch.setattr(layer, "forward", lambda x: calls.append(len(x)) or F.linear(x, layer.weight, layer.bias))
+    for rows in (1, linear_mod.Q8_KERNEL_MAX_ROWS, linear_mod.Q8_KERNEL_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 576)
+        assert_fp32_product(q8(x), x, layer)
+    assert calls == [linear_mod.Q8_KERNEL_MAX_ROWS + 1, 300]
+    assert q8.q.numel() == 96 * 576 and q8.bias is layer.bias  # a byte per weight, plus d per 32
+
+
+def test_kernel_rejects_mismatched_inputs(kernels):
+    q, scales = pack_q8(*find_q8_grid(_q8_0(40, 64)))
+    with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+        kernels.q8_linear(torch.randn(3, 32), q, scales, 40, None)
+    with pytest.raises(RuntimeError, match="n=70 does not match 2 panels"):
+        kernels.q8_linear(torch.randn(3, 64), q, scales, 70, None)
+    with pytest.raises(RuntimeError, match="K=64 is not 3 equal blocks"):
+        kernels.q8_linear(torch.randn(3, 64), q, scales.new_zeros(2, 3, 32), 40, None)
+    with pytest.raises(RuntimeError, match="q must be"):
+        kernels.q8_linear(torch.randn(3, 64), q.view(torch.uint8), scales, 40, None)
+
+
+def test_prepack_keeps_a_q8_copy_and_a_tied_head_stays_tied(kernels):
+    model = nn.Module()
+    model.embed = nn.Embedding(64, 64)
+    with torch.no_grad():
+        model.embed.weight.copy_(_q8_0(64, 64, seed=1))
+    model.head = nn.Linear(64, 64, bias=False)
+    model.head.weight = model.embed.weight
+    model.q4 = nn.Linear(64, 64)
+    with torch.no_grad():
+        model.q4.weight.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(
+            np.random.default_rng(2).standard_normal((64, 64)).astype(np.float32) * 0.05,
+            gguf.GGMLQuantizationType.Q4_1), gguf.GGMLQuantizationType.Q4_1).reshape(64, 64).copy()))
+    stats = prepack_linears_(model)
+    assert isinstance(model.head, Q8Linear) and isinstance(model.q4, Q4Linear)
+    assert stats["q8"] == 1 and stats["q4"] == 1
+    assert model.head.dense.weight is model.embed.weight  # still the embedding's parameter
+    reference = nn.Linear(64, 64, bias=False)
+    reference.weight = model.embed.weight
+    x = torch.randn(3, 64)
+    assert_fp32_product(model.head(x), x, reference)
+
+
+def test_compact_weights_switch_keeps_the_q8_layer_fp32(monkeypatch):
+    monkeypatch.setenv(linear_mod.COMPACT_ENV_VAR, "0")
+    model = nn.Sequential(_grid_linear(64, 64, False))
+    assert prepack_linears_(model)["q8"] == 0
+    assert not isinstance(model[0], Q8Linear)
