@@ -15,12 +15,14 @@ from ascendserve.layers import cpu_kernels
 
 @dataclass
 class PrefillSeq:
-    """One request with more than one new token this step."""
+    """One request with more than one new token this step, or `count` > 1 requests back to back with
+    no cached prefix and the same number of new tokens: one SDPA call (a batch) for all of them."""
 
     token_start: int  # its rows in the packed batch: [token_start, token_end)
     token_end: int
     kv_slots: torch.Tensor | None  # [context_len] slots of all its tokens; None if no cached prefix
     mask: torch.Tensor | None  # [q_len, context_len] bool, True = may attend; None = plain causal
+    count: int = 1
 
 
 @dataclass
@@ -64,11 +66,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], kv_cache, meta, scale)
     for seq in meta.prefills:
         rows = slice(seq.token_start, seq.token_end)
-        if seq.kv_slots is None:
-            ks, vs = k[rows], v[rows]
+        if seq.kv_slots is None:  # fresh prompts: their own new k/v, `count` of them as a batch
+            qs, ks, vs = (x[rows].unflatten(0, (seq.count, -1)) for x in (q, k, v))
         else:
-            ks, vs = k_flat[seq.kv_slots], v_flat[seq.kv_slots]
-        out[rows] = _sdpa(q[rows].unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), seq.mask, scale)[0]
+            qs, ks, vs = q[rows].unsqueeze(0), k_flat[seq.kv_slots].unsqueeze(0), v_flat[seq.kv_slots].unsqueeze(0)
+        out[rows] = _sdpa(qs, ks, vs, seq.mask, scale).flatten(0, 1)
     return out
 
 
@@ -146,7 +148,12 @@ def build_attention_metadata(query_lens: np.ndarray, start_positions: np.ndarray
     for i in range(num_reqs):
         q_len, start = int(query_lens[i]), int(start_positions[i])
         if q_len > 1:
-            meta.prefills.append(_prefill_seq(row, q_len, start, tables[i], block_size, device))
+            last = meta.prefills[-1] if meta.prefills else None
+            if (start == 0 and last is not None and last.kv_slots is None and last.token_end == row
+                    and last.token_end - last.token_start == q_len * last.count):
+                last.token_end, last.count = row + q_len, last.count + 1  # one more fresh prompt of its length
+            else:
+                meta.prefills.append(_prefill_seq(row, q_len, start, tables[i], block_size, device))
         row += q_len
     return meta
 

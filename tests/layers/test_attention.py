@@ -99,3 +99,43 @@ def test_layers_sharing_the_step_workspace_read_their_own_cache(monkeypatch):
     assert meta.decode_kv_workspace is workspace
     again = paged_attention(q, k, v, cache.clone(), meta, 0.25)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+def test_a_mixed_step_matches_dense_causal_attention_per_request():
+    # Requests in packed order: a decode, two fresh prompts of 5 tokens (one SDPA batch), a fresh 7,
+    # a chunk of 4 after 6 cached tokens, a fresh 5 again (not adjacent to the first two) and a fresh 3.
+    # query lens, cached tokens
+    reqs = [(1, 9), (5, 0), (5, 0), (7, 0), (4, 6), (5, 0), (3, 0)]
+    num_heads, num_kv_heads, head_dim = 6, 2, 16
+    gen = torch.Generator().manual_seed(4)
+    num_blocks = sum(-(-(n + c) // BLOCK_SIZE) for n, c in reqs) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    cache = torch.zeros(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    tables, pasts = [], []
+    for n, cached in reqs:
+        table = [order.pop() for _ in range(-(-(n + cached) // BLOCK_SIZE))]
+        past = torch.randn(2, cached, num_kv_heads, head_dim, generator=gen)
+        for p in range(cached):
+            cache[:, table[p // BLOCK_SIZE], p % BLOCK_SIZE] = past[:, p]
+        tables.append(table)
+        pasts.append(past)
+    query_lens = np.array([n for n, _ in reqs])
+    starts = np.array([c for _, c in reqs])
+    positions = np.concatenate([np.arange(c, c + n) for n, c in reqs])
+    meta = build_attention_metadata(query_lens, starts, positions, tables, BLOCK_SIZE, torch.device("cpu"))
+    assert [(p.count, p.token_end - p.token_start) for p in meta.prefills] == [(2, 10), (1, 7), (1, 4), (1, 5),
+                                                                                (1, 3)]
+    t = int(query_lens.sum())
+    q = torch.randn(t, num_heads, head_dim, generator=gen)
+    k = torch.randn(t, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(t, num_kv_heads, head_dim, generator=gen)
+    out = paged_attention(q, k, v, cache, meta, 0.3)
+    row = 0
+    for (n, cached), past in zip(reqs, pasts):
+        rows = slice(row, row + n)
+        ks, vs = torch.cat([past[0], k[rows]]), torch.cat([past[1], v[rows]])
+        mask = torch.arange(cached + n)[None, :] <= torch.arange(cached, cached + n)[:, None]
+        ref = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                             vs.transpose(0, 1)[None], attn_mask=mask, scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(out[rows], ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+        row += n
