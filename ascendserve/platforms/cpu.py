@@ -1,6 +1,8 @@
 """CPU: the reference path every other platform is compared with."""
 
+import ctypes
 import os
+import sys
 
 import torch
 
@@ -13,6 +15,28 @@ logger = init_logger(__name__)
 # also defaults to a fixed few GiB, not a share of all RAM, since RAM is shared with everything else).
 CPU_KV_CACHE_FRACTION = 0.25
 CPU_KV_CACHE_MAX_BYTES = 4 << 30
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """madvise(MADV_HUGEPAGE) over the whole 2 MiB pages inside a CPU tensor's memory, so that (with THP
+    in "madvise" or "always" mode) they are faulted in as huge pages when first touched. Best effort:
+    False where it does not apply (not Linux, a tensor under 2 MiB, THP off or the call refused)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    start = tensor.data_ptr()
+    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
+    hi = (start + tensor.untyped_storage().nbytes()) // HUGE_PAGE * HUGE_PAGE
+    if hi <= lo:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -9,6 +9,7 @@ import torch
 from ascendserve.config import EngineConfig
 from ascendserve.engine.scheduler import SchedulerOutput
 from ascendserve.layers.attention import build_attention_metadata
+from ascendserve.platforms.cpu import advise_huge_pages
 from ascendserve.logger import init_logger
 from ascendserve.worker.sampler import LogprobsRow, Sampler, SamplingRow
 
@@ -167,7 +168,19 @@ def allocate_kv_caches(spec: dict, num_blocks: int, block_size: int, dtype: torc
                        device: torch.device) -> list[torch.Tensor]:
     """One zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per attention layer."""
     shape = (2, num_blocks, block_size, spec["num_kv_heads"], spec["head_dim"])
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec["num_layers"])]
+    return [_zeros_on_huge_pages(shape, dtype, device) for _ in range(spec["num_layers"])]
+
+
+def _zeros_on_huge_pages(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros; on a Linux CPU the memory is first advised to transparent huge pages (before it is
+    touched: pages already faulted in stay 4 KiB). Decode attention reads each request's blocks from
+    anywhere in the cache, a TLB miss per 4 KiB page: 30 demo layers at 64 requests x 320 tokens on
+    random blocks took 93.0 ms with 4 KiB pages and 83.3 ms with 2 MiB ones (74.0 / 69.1 on blocks in
+    order; THP "madvise" mode, this machine's default)."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu" and tensor.numel():
+        advise_huge_pages(tensor)
+    return tensor.zero_()
 
 
 def is_hybrid(model: torch.nn.Module) -> bool:
@@ -185,6 +198,6 @@ def state_cache_bytes_per_slot(spec: dict, dtype: torch.dtype) -> int:
 def allocate_state_caches(spec: dict, num_slots: int, dtype: torch.dtype,
                           device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(conv [num_slots, C, K-1], recurrent [num_slots, Hv, dk, dv] fp32) zeroed, per recurrent layer."""
-    return [(torch.zeros(num_slots, *spec["conv_shape"], dtype=dtype, device=device),
-             torch.zeros(num_slots, *spec["ssm_shape"], dtype=spec["ssm_dtype"], device=device))
+    return [(_zeros_on_huge_pages((num_slots, *spec["conv_shape"]), dtype, device),
+             _zeros_on_huge_pages((num_slots, *spec["ssm_shape"]), spec["ssm_dtype"], device))
             for _ in range(spec["num_layers"])]
