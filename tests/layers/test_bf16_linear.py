@@ -9,7 +9,7 @@ from torch import nn
 from ascendserve.layers import cpu_kernels
 from ascendserve.layers import linear as linear_mod
 from ascendserve.layers.linear import Bf16Linear, PackedLinear, pack_bf16, prepack_linears_
-from tests.layers.kernel_checks import assert_fp32_product
+from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows
 
 
 @pytest.fixture(autouse=True)
@@ -37,10 +37,7 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 24, 25, 63, 64, 65, 130, 256,
 @pytest.mark.parametrize("op", ["bf16_linear", "bf16_linear_portable"])
 def test_kernel_is_the_fp32_product_of_the_bf16_weight(kernels, k, n, bias, op):
     layer = _bf16_valued_linear(k, n, bias)
-    packed = pack_bf16(layer.weight.detach())
-    for rows in ROWS:
-        x = torch.randn(rows, k)
-        assert_fp32_product(getattr(kernels, op)(x, packed, n, layer.bias), x, layer)
+    assert_kernel_rows(getattr(kernels, op), (pack_bf16(layer.weight.detach()),), layer, ROWS)
 
 
 @pytest.mark.parametrize("k,n", SHAPES)

@@ -4,12 +4,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ascendserve.layers import linear as linear_mod
 from ascendserve.layers.linear import Bf16Linear, Q4Linear, find_q4_grid, pack_q4, prepack_linears_
-from tests.layers.kernel_checks import assert_fp32_product
+from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows, assert_kernel_up_to_max_rows
 
 
 @pytest.fixture(autouse=True)
@@ -57,23 +56,13 @@ ROWS = [1, 2, 5, 6, 7, 13, 64, 65, 128, 129, 300]  # around the 6-row tile, the 
 @pytest.mark.parametrize("op", ["q4_linear", "q4_linear_portable"])
 def test_kernel_is_the_fp32_product_of_the_grid_weight(kernels, n, k, bias, op):
     layer = _grid_linear(n, k, bias)
-    packed = pack_q4(*find_q4_grid(layer.weight.detach()))
-    for rows in ROWS:
-        x = torch.randn(rows, k)
-        assert_fp32_product(getattr(kernels, op)(x, *packed, n, layer.bias), x, layer)
+    assert_kernel_rows(getattr(kernels, op), pack_q4(*find_q4_grid(layer.weight.detach())), layer, ROWS)
 
 
 def test_layer_runs_its_fp32_layer_above_the_kernel_rows(kernels, monkeypatch):
     layer = _grid_linear(96, 576, True)
     q4 = Q4Linear(layer, find_q4_grid(layer.weight.detach()), kernels)
-    calls = []
-    monkeypatch.setattr(layer, "forward", lambda x: calls.append(len(x)) or F.linear(x, layer.weight, layer.bias))
-    for rows in (1, linear_mod.Q4_KERNEL_MAX_ROWS, linear_mod.Q4_KERNEL_MAX_ROWS + 1, 700):
-        x = torch.randn(rows, 576)
-        assert_fp32_product(q4(x), x, layer)
-    assert calls == [linear_mod.Q4_KERNEL_MAX_ROWS + 1, 700]
-    x = torch.randn(2, 3, 576)[:, ::2]  # leading dims flattened; a non-contiguous input is copied
-    assert_fp32_product(q4(x).reshape(-1, 96), x.reshape(-1, 576), layer)
+    assert_kernel_up_to_max_rows(q4, layer, linear_mod.Q4_KERNEL_MAX_ROWS, monkeypatch)
     assert q4.q.numel() == 96 * 576 // 2 and q4.bias is layer.bias  # half a byte per weight, plus d and m per 32
 
 

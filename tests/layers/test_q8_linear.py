@@ -5,12 +5,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ascendserve.layers import linear as linear_mod
 from ascendserve.layers.linear import Q4Linear, Q8Linear, find_q4_grid, find_q8_grid, pack_q8, prepack_linears_
-from tests.layers.kernel_checks import assert_fp32_product
+from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows, assert_kernel_up_to_max_rows
 
 
 def _q8_0(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -55,21 +54,13 @@ ROWS = [1, 2, 5, 6, 7, 13, 64, 65, 300]  # around the 6-row tile and the row chu
 @pytest.mark.parametrize("op", ["q8_linear", "q8_linear_portable"])
 def test_kernel_is_the_fp32_product_of_the_grid_weight(kernels, n, k, bias, op):
     layer = _grid_linear(n, k, bias)
-    packed = pack_q8(*find_q8_grid(layer.weight.detach()))
-    for rows in ROWS:
-        x = torch.randn(rows, k)
-        assert_fp32_product(getattr(kernels, op)(x, *packed, n, layer.bias), x, layer)
+    assert_kernel_rows(getattr(kernels, op), pack_q8(*find_q8_grid(layer.weight.detach())), layer, ROWS)
 
 
 def test_layer_runs_its_fp32_layer_above_the_kernel_rows(kernels, monkeypatch):
     layer = _grid_linear(96, 576, True)
     q8 = Q8Linear(layer, find_q8_grid(layer.weight.detach()), kernels)
-    calls = []
-    monkeypatch.setattr(layer, "forward", lambda x: calls.append(len(x)) or F.linear(x, layer.weight, layer.bias))
-    for rows in (1, linear_mod.Q8_KERNEL_MAX_ROWS, linear_mod.Q8_KERNEL_MAX_ROWS + 1, 300):
-        x = torch.randn(rows, 576)
-        assert_fp32_product(q8(x), x, layer)
-    assert calls == [linear_mod.Q8_KERNEL_MAX_ROWS + 1, 300]
+    assert_kernel_up_to_max_rows(q8, layer, linear_mod.Q8_KERNEL_MAX_ROWS, monkeypatch)
     assert q8.q.numel() == 96 * 576 and q8.bias is layer.bias  # a byte per weight, plus d per 32
 
 

@@ -117,20 +117,14 @@ void tile_avx512_merged(const float* x, int64_t ldx, const uint32_t* panel, int6
 
 void tile_fast(int rows, const float* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float* out, int64_t ldo,
                int64_t cols, const float* bias) {
-  switch (rows) {
-    case 1: return tile_avx512<1>(x, ldx, panel, kpairs, out, ldo, cols, bias);
-    case 2: return tile_avx512<2>(x, ldx, panel, kpairs, out, ldo, cols, bias);
-    case 3: return tile_avx512<3>(x, ldx, panel, kpairs, out, ldo, cols, bias);
-    case 4: return tile_avx512<4>(x, ldx, panel, kpairs, out, ldo, cols, bias);
-    case 5: return tile_avx512<5>(x, ldx, panel, kpairs, out, ldo, cols, bias);
-    case 6: return tile_avx512<6>(x, ldx, panel, kpairs, out, ldo, cols, bias);
-    case 7: return tile_avx512_merged<7>(x, ldx, panel, kpairs, out, ldo, cols, bias);
-    case 8: return tile_avx512_merged<8>(x, ldx, panel, kpairs, out, ldo, cols, bias);
-    case 9: return tile_avx512_merged<9>(x, ldx, panel, kpairs, out, ldo, cols, bias);
-    case 10: return tile_avx512_merged<10>(x, ldx, panel, kpairs, out, ldo, cols, bias);
-    case 11: return tile_avx512_merged<11>(x, ldx, panel, kpairs, out, ldo, cols, bias);
-    default: return tile_avx512_merged<12>(x, ldx, panel, kpairs, out, ldo, cols, bias);
-  }
+  ascendserve_panel::with_tile_rows<kRowBlock>(rows, [&](auto r) {
+    constexpr int kRows = decltype(r)::value;
+    if constexpr (kRows <= 6) {
+      tile_avx512<kRows>(x, ldx, panel, kpairs, out, ldo, cols, bias);
+    } else {
+      tile_avx512_merged<kRows>(x, ldx, panel, kpairs, out, ldo, cols, bias);
+    }
+  });
 }
 #else
 void tile_fast(int rows, const float* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float* out, int64_t ldo,

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -50,6 +51,16 @@ void for_each_tile(int64_t m_rows, int64_t k, int64_t n, int64_t panels, const T
       }
     }
   });
+}
+
+// fn(std::integral_constant<int, R>{}) with R = min(rows, kMax), rows >= 1: a tile's row count as a
+// compile-time constant (one instantiation of the tile per height).
+template <int kMax, typename Fn>
+inline void with_tile_rows(int rows, const Fn& fn) {
+  if constexpr (kMax > 1) {
+    if (rows < kMax) return with_tile_rows<kMax - 1>(rows, fn);
+  }
+  fn(std::integral_constant<int, kMax>{});
 }
 
 #if defined(__AVX512F__)

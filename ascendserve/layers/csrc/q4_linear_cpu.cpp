@@ -106,14 +106,9 @@ void tile_avx512(const float* x, const float* xsum, int64_t ldx, int64_t groups,
 
 void tile_fast(int rows, const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w,
                float* out, int64_t ldo, int64_t cols, const float* bias) {
-  switch (rows) {
-    case 1: return tile_avx512<1>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
-    case 2: return tile_avx512<2>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
-    case 3: return tile_avx512<3>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
-    case 4: return tile_avx512<4>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
-    case 5: return tile_avx512<5>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
-    default: return tile_avx512<6>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
-  }
+  ascendserve_panel::with_tile_rows<kMaxRows>(rows, [&](auto r) {
+    tile_avx512<decltype(r)::value>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
+  });
 }
 #else
 void tile_fast(int rows, const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w,
