@@ -61,7 +61,7 @@ bytes, outruns a kernel that spends its time widening nibbles), so the layer kee
 form for larger batches and holds the 4-bit copy beside it.
 
 8-bit grid, fp32 compute (Q8Linear): the same for a Q8_0 GGUF tensor, d * q per 32 inputs with q in
--128..127 (find_q8_grid; csrc/q8_linear_cpu.cpp), a byte per weight. The demo's tied token embedding is
+-127..127 (find_q8_grid; csrc/q8_linear_cpu.cpp), a byte per weight. The demo's tied token embedding is
 Q8_0, so its lm_head, 113 MB of fp32 and the largest read of a single-stream decode step, reads 32 MB.
 """
 
@@ -233,7 +233,7 @@ class Q4Linear(GridLinear):
 
 
 class Q8Linear(GridLinear):
-    """The 8-bit copy (W = d * q, q in -128..127, per 32 inputs) of an fp32 layer, for batches of up to
+    """The 8-bit copy (W = d * q, q in -127..127, per 32 inputs) of an fp32 layer, for batches of up to
     max_rows rows: a dequantized Q8_0 GGUF tensor, like the demo model's token embedding, which is also
     its tied lm_head (49152 x 576: 113 MB of fp32 a decode step, 32 MB as 8-bit plus d). Demo decode
     steps of B rows, the bound switched between steps of one process (0: MKL's fp32 GEMM; median ms a
@@ -365,10 +365,9 @@ def prepack_linears_(model: nn.Module) -> dict[str, int]:
 
     All bf16 values -> Bf16Linear. Else PackedLinear (MKL's packed GEMM, unless
     ASCENDSERVE_PACKED_LINEAR=0), wrapped in a Q4Linear for small batches when the values are a 4-bit
-    grid per 32 inputs (a dequantized Q4_0 / Q4_1 GGUF), or in a Q8Linear when they are an 8-bit one (Q8_0).
-    Bf16Linear, Q4Linear and Q8Linear need the CPU kernels
-    and ASCENDSERVE_COMPACT_WEIGHTS not 0. A no-op (zeros) where none applies, e.g. bf16 or non-CPU
-    layers. Call after the weights are loaded.
+    grid per 32 inputs (a dequantized Q4_0 / Q4_1 GGUF), or in a Q8Linear when they are an 8-bit one
+    (Q8_0). Bf16Linear, Q4Linear and Q8Linear need the CPU kernels and ASCENDSERVE_COMPACT_WEIGHTS not
+    0. A no-op (zeros) where none applies, e.g. bf16 or non-CPU layers. Call after the weights are loaded.
     """
     stats = {"packed": 0, "weight_bytes": 0, "pack_bytes": 0, "padded": 0, "bf16": 0, "bf16_bytes": 0,
              "q4": 0, "q4_bytes": 0, "q8": 0, "q8_bytes": 0}

@@ -1,7 +1,7 @@
 // y = x @ W.T + b with W stored as 8-bit values on a grid per block of G inputs, W = d * q (fp32 compute).
 //
 // A Q8_0 GGUF tensor (the demo model's token embedding, which is also its tied lm_head) is dequantized at
-// load to fp32 values that are, per block of 32 inputs of a row, d * q with q in -128..127. Keeping q (a
+// load to fp32 values that are, per block of 32 inputs of a row, d * q with q in -127..127. Keeping q (a
 // byte) and the block's d instead of the fp32 values is the same weight in a quarter of the bytes: the
 // demo's lm_head (49152 x 576) reads 32 MB a decode step instead of 113. The product is computed as
 //     y[n] = sum over blocks g of d[n,g] * sum_{k in g} x[k] q[n,k]
@@ -64,9 +64,9 @@ void tile_avx512(const float* x, int64_t ldx, int64_t groups, const Q8Panel& w, 
     for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
       const int8_t* bytes = w.q + k * kPanel;
       _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchInputs * kPanel), _MM_HINT_T0);
-      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
-      const __m512 q1 =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16))));
+      const __m128i* lanes = reinterpret_cast<const __m128i*>(bytes);  // 2 x 16 outputs' bytes
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(lanes)));
+      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(lanes + 1)));
       for (int m = 0; m < ROWS; ++m) {
         const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
         block[m][0] = _mm512_fmadd_ps(xv, q0, block[m][0]);
