@@ -56,9 +56,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     Every layer writes all new K/V first, so requests in the same step can read blocks that
     another request fills in this very step (shared prefix blocks).
     """
-    write_kv(kv_cache, k, v, meta.slot_mapping)
     if meta.decode_token_idx is not None and not meta.prefills:  # a pure decode step: every row, in order
+        if (q.device.type == "cpu" and k.dtype == v.dtype == kv_cache.dtype and _rows_contiguous(k)
+                and _rows_contiguous(v) and (kernels := cpu_kernels.ops()) is not None):  # it stores k / v too
+            return kernels.paged_decode_write(q.contiguous(), k, v, kv_cache, meta.slot_mapping,
+                                              meta.decode_block_tables, meta.decode_context_lens, scale)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
         return _decode(q.contiguous(), kv_cache, meta, scale)
+    write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     k_flat = kv_cache[0].view(-1, *k.shape[1:])
     v_flat = kv_cache[1].view(-1, *v.shape[1:])
@@ -72,6 +77,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             qs, ks, vs = q[rows].unsqueeze(0), k_flat[seq.kv_slots].unsqueeze(0), v_flat[seq.kv_slots].unsqueeze(0)
         out[rows] = _sdpa(qs, ks, vs, seq.mask, scale).flatten(0, 1)
     return out
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Each row of t [T, H, D] contiguous (the views the qkv split gives; the row stride is free)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
 def _decode(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

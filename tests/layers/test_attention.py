@@ -139,3 +139,28 @@ def test_a_mixed_step_matches_dense_causal_attention_per_request():
                                              vs.transpose(0, 1)[None], attn_mask=mask, scale=0.3, enable_gqa=True)
         torch.testing.assert_close(out[rows], ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
         row += n
+
+
+def test_decode_kernel_stores_strided_k_v_at_their_slots(kernels):
+    # k / v as the qkv split leaves them: row-strided views. The kernel writes them into the cache
+    # itself; cache and output must equal the torch path's (index_copy_, then attention).
+    q, _, _, cache, meta, histories = _step([3, 17, 40], 9, 3, 64, seed=5)
+    packed = torch.randn(3, 2 * 3 * 64 + 7)
+    k, v = packed[:, :192].view(3, 3, 64), packed[:, 192:384].view(3, 3, 64)
+    assert not k.is_contiguous()
+    fused_cache, torch_cache = cache.clone(), cache.clone()
+    out = paged_attention(q, k, v, fused_cache, meta, 0.125)
+    flat = torch_cache.view(2, -1, 3, 64)
+    flat[0, meta.slot_mapping], flat[1, meta.slot_mapping] = k, v
+    assert torch.equal(fused_cache, torch_cache)
+    for i, past in enumerate(histories):
+        ks, vs = torch.cat([past[0], k[i:i + 1]]), torch.cat([past[1], v[i:i + 1]])
+        torch.testing.assert_close(out[i], _dense_reference(q[i], ks, vs, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_kernel_refuses_a_slot_outside_the_cache(kernels):
+    q, k, v, cache, meta, _ = _step([3, 5], 4, 2, 16, seed=6)
+    slots = meta.slot_mapping.clone()
+    slots[1] = cache.shape[1] * cache.shape[2]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.paged_decode_write(q, k, v, cache, slots, meta.decode_block_tables, meta.decode_context_lens, 0.25)

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -253,9 +254,45 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
   return out;
 }
 
+// paged_decode after storing the step's new k / v [B, Hk, D] (rows may be strided, each row's [Hk, D]
+// contiguous: the views the qkv split gives) at their cache slots: the two index_copy_ calls of a layer's
+// decode folded into the op (at one row, 60 of a demo step's ~400 op calls).
+at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
+                              const at::Tensor& slots, const at::Tensor& block_tables,
+                              const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "paged_decode_write: kv_cache [2, num_blocks, block_size, Hk, D] contiguous expected");
+  const int64_t rows = q.size(0), row_elems = kv_cache.size(3) * kv_cache.size(4);
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == rows && t->size(1) == kv_cache.size(3) &&
+                    t->size(2) == kv_cache.size(4) && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
+                    t->scalar_type() == kv_cache.scalar_type(),
+                "paged_decode_write: k and v must be [B, Hk, D] of the cache's dtype, each row contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows,
+              "paged_decode_write: slots must be [B] int64");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < rows; ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "paged_decode_write: slot ", slot[b], " outside the cache's ",
+                num_slots);
+  const int64_t elem = kv_cache.element_size();
+  char* k_cache = static_cast<char*>(kv_cache.data_ptr());
+  char* v_cache = k_cache + num_slots * row_elems * elem;
+  const char* k_src = static_cast<const char*>(k.data_ptr());
+  const char* v_src = static_cast<const char*>(v.data_ptr());
+  for (int64_t b = 0; b < rows; ++b) {
+    std::memcpy(k_cache + slot[b] * row_elems * elem, k_src + b * k.stride(0) * elem, row_elems * elem);
+    std::memcpy(v_cache + slot[b] * row_elems * elem, v_src + b * v.stride(0) * elem, row_elems * elem);
+  }
+  return paged_decode(q, kv_cache, block_tables, context_lens, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ascendserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_decode_write(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slots, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+  m.impl("paged_decode_write", c10::DispatchKey::CPU, TORCH_FN(paged_decode_write));
 }
