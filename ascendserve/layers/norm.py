@@ -20,7 +20,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The norm of x; with `residual`, (the norm of x + residual, x + residual): a pre-norm layer's
+        residual add and the next norm, one C++ pass on CPU (vLLM's fused_add_rms_norm)."""
+        if residual is None:
+            return self._norm(x)
+        if (x.dim() == 2 and x.shape == residual.shape and x.is_contiguous() and residual.is_contiguous()
+                and (kernels := cpu_kernels.fp32_ops(x, residual, self.weight)) is not None):
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps, False)
+        summed = x + residual
+        return self._norm(summed), summed
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if (kernels := _rms_norm_op(x, self.weight)) is not None:
             return kernels.rms_norm(x, self.weight, self.eps, False)
         dtype = x.dtype

@@ -74,9 +74,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the caller adds the two (the next
+        layer's input norm or the final norm does, in one op with its norm)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -92,10 +99,10 @@ class LlamaModel(nn.Module):
         self.rotary = rotary
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
 
 
 class LlamaForCausalLM(nn.Module):

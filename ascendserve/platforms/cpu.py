@@ -24,7 +24,7 @@ _MADV_HUGEPAGE = 14  # linux/mman.h
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """madvise(MADV_HUGEPAGE) over the whole 2 MiB pages inside a CPU tensor's memory, so that (with THP
     in "madvise" or "always" mode) they are faulted in as huge pages when first touched. Best effort:
-    False where it does not apply (not Linux, a tensor under 2 MiB, THP off or the call refused)."""
+    False where it does not apply (not Linux, no whole 2 MiB page inside, a kernel without THP)."""
     if not sys.platform.startswith("linux"):
         return False
     start = tensor.data_ptr()

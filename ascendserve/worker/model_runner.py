@@ -9,8 +9,8 @@ import torch
 from ascendserve.config import EngineConfig
 from ascendserve.engine.scheduler import SchedulerOutput
 from ascendserve.layers.attention import build_attention_metadata
-from ascendserve.platforms.cpu import advise_huge_pages
 from ascendserve.logger import init_logger
+from ascendserve.platforms.cpu import advise_huge_pages
 from ascendserve.worker.sampler import LogprobsRow, Sampler, SamplingRow
 
 logger = init_logger(__name__)

@@ -64,3 +64,25 @@ def test_norms_use_the_op_for_fp32_only(kernels, monkeypatch, gemma):
     torch.testing.assert_close(ours(columns), theirs(columns), atol=1e-5, rtol=1e-5)
     ours.to(torch.bfloat16)(x.bfloat16())  # the torch form
     assert calls == [torch.float32]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_then_norm_in_one_op_matches_transformers(kernels, monkeypatch, rows):
+    # A pre-norm layer's residual add and the next norm: (norm(x + residual), x + residual), the sum
+    # bit for bit what x + residual gives, through the op and through the torch fallback.
+    ours, theirs = _pair(False, 576)
+    gen = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(rows, 576, generator=gen), torch.randn(rows, 576, generator=gen) * 4
+    for ops in (kernels, None):
+        monkeypatch.setitem(cpu_kernels._state, "ops", ops)
+        normed, summed = ours(x, residual)
+        assert torch.equal(summed, residual + x)
+        torch.testing.assert_close(normed, theirs(residual + x), atol=1e-5, rtol=1e-5)
+
+
+def test_add_rms_norm_bad_inputs_are_errors(kernels):
+    weight = torch.ones(64)
+    with pytest.raises(RuntimeError, match="x and residual must be contiguous fp32"):
+        kernels.add_rms_norm(torch.randn(2, 64), torch.randn(3, 64), weight, EPS, False)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous fp32"):
+        kernels.add_rms_norm(torch.randn(2, 64), torch.randn(2, 64), torch.ones(32), EPS, False)

@@ -260,8 +260,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
 at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                               const at::Tensor& slots, const at::Tensor& block_tables,
                               const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "paged_decode_write: kv_cache [2, num_blocks, block_size, Hk, D] contiguous expected");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() && q.dim() == 3,
+              "paged_decode_write: q [B, Hq, D], kv_cache [2, num_blocks, block_size, Hk, D] contiguous expected");
   const int64_t rows = q.size(0), row_elems = kv_cache.size(3) * kv_cache.size(4);
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
   for (const at::Tensor* t : {&k, &v})

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 
 namespace {
 
@@ -54,9 +55,41 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   return out;
 }
 
+// (rms_norm(x + residual), x + residual) for contiguous fp32 [T, H] x and residual: a pre-norm layer's
+// residual add and the next norm in one pass per row (the sum is written once and normalized from cache).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps, bool unit_offset) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.sizes() == residual.sizes() && x.is_contiguous() && residual.is_contiguous(),
+              "add_rms_norm: x and residual must be contiguous fp32 [T, H] tensors of one shape");
+  const int64_t hidden = x.size(1), rows = x.size(0);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 1 &&
+                  weight.size(0) == hidden,
+              "add_rms_norm: weight must be a contiguous fp32 [", hidden, "] tensor, got ", weight.sizes());
+  at::Tensor out = at::empty_like(x), sum = at::empty_like(x);
+  const float *x_ptr = x.data_ptr<float>(), *r_ptr = residual.data_ptr<float>(), *w_ptr = weight.data_ptr<float>();
+  float *out_ptr = out.data_ptr<float>(), *sum_ptr = sum.data_ptr<float>();
+  const float offset = unit_offset ? 1.f : 0.f, epsf = static_cast<float>(eps);
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(hidden, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* s = sum_ptr + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) s[i] = x_ptr[r * hidden + i] + r_ptr[r * hidden + i];
+      float squares = 0.f;
+      for (int64_t i = 0; i < hidden; ++i) squares += s[i] * s[i];
+      const float scale = 1.f / std::sqrt(squares / static_cast<float>(hidden) + epsf);
+      float* dst = out_ptr + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) dst[i] = s[i] * scale * (w_ptr[i] + offset);
+    }
+  });
+  return {out, sum};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool unit_offset) -> (Tensor, Tensor)");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
 }
