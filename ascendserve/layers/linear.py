@@ -298,8 +298,12 @@ def round_to_grid(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tor
 def _fit_grid(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
     """(fits per block, q, d, m): q = round_to_grid(w), and whether d * q + m gives every w back."""
     q = round_to_grid(blocks, d, m)
-    tol = blocks.abs().amax(-1) * 2.0 ** -20
-    return (q * d[..., None] + m[..., None] - blocks).abs().amax(-1) <= tol, q, d, m
+    return _reproduces(blocks, q * d[..., None] + m[..., None]), q, d, m
+
+
+def _reproduces(blocks: torch.Tensor, rebuilt: torch.Tensor) -> torch.Tensor:
+    """Per block [..., G]: whether `rebuilt` gives every value back to 2^-20 of the block's largest magnitude."""
+    return (rebuilt - blocks).abs().amax(-1) <= blocks.abs().amax(-1) * 2.0 ** -20
 
 
 def find_q8_grid(weight: torch.Tensor, rows_per_pass: int = 4096):
@@ -318,7 +322,7 @@ def find_q8_grid(weight: torch.Tensor, rows_per_pass: int = 4096):
         amax = blocks.abs().amax(-1)
         d = amax / 127
         q = (blocks / torch.where(d == 0, torch.ones_like(d), d)[..., None]).round_()
-        if not bool(((q * d[..., None] - blocks).abs().amax(-1) <= amax * 2.0 ** -20).all()):
+        if not bool(_reproduces(blocks, q * d[..., None]).all()):
             return None
         qs.append(q.to(torch.int8).reshape(-1, k))
         ds.append(d)
