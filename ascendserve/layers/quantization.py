@@ -28,7 +28,7 @@ AVX512-BF16, ms per call for SmolLM2's gate_up 3072x576:
     so memory then grows by the quantized lm_head copy, while decode still reads fewer bytes.
 The output always has the input's (model) dtype.
 
-int4 on a CPU with the C++ kernels (AVX-512), fp32 model (what `--dtype auto` picks without native
+int4 on a CPU with the C++ kernels (AVX-512 or AVX2 tiles), fp32 model (what `--dtype auto` picks without native
 bf16): `GridInt4Linear` instead, W ~= d * q + m per group of GRID_GROUP inputs with fp32 d and m, kept
 in the 4-bit panel layout of csrc/q4_linear_cpu.cpp (the kernel a Q4_0 / Q4_1 GGUF's layers use,
 layers/linear.py) and multiplied in fp32: no bf16 rounding of the activations, and every layer
@@ -37,6 +37,8 @@ shape fits (N is padded to the 32-row panel, so Qwen3.5's in_proj_ba is quantize
 GRID_KERNEL_MAX_ROWS rows use the kernel, larger ones the weight dequantized for the call + MKL's
 GEMM (no dense copy is kept); lm_head always the kernel.
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +56,7 @@ INT_KERNEL_MAX_ROWS = {"int8": 32, "int4": 128}
 # (1 thread), more than the int8 kernel at 64 rows (82 ms; fp32 F.linear 38 ms): always the kernel.
 LM_HEAD_KERNEL_MAX_ROWS = 1 << 30
 INT4_GROUP_SIZES = (64, 32)  # preferred first; the first that divides in_features is used
-INT4_BLOCK_N = 64  # the CPU int4 pack interleaves 64 output rows (then one tail block), see _unpack_int4
+INT4_BLOCK_NS = (64, 32)  # rows the CPU int4 pack interleaves: 64 on AVX-512, 32 on AVX2 (see _unpack_int4)
 GRID_GROUP = 64  # inputs per (d, m) block of GridInt4Linear; 32 where 64 does not divide K
 GRID_KERNEL_MAX_ROWS = 256  # above, dequantize for the call and use F.linear, as Bf16Linear does above 256
 
@@ -188,24 +190,36 @@ class GridInt4Linear(KernelLinear):
         return super().extra_repr() + f", group_size={self.group_size}, kernel up to {self.max_rows} rows"
 
 
-def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def _unpack_int4(packed: torch.Tensor, n: int, k: int, block_n: int | None = None) -> torch.Tensor:
     """q [N, K] (uint8, 0..15) from `_convert_weight_to_int4pack_for_cpu`'s layout (torch 2.13, x86).
 
-    Rows go in blocks of 64, then one tail block of the remaining N % 64 rows (a multiple of 16).
-    A block of B rows is stored as K runs of B/2 bytes, flattened over its packed rows. In a 64-block,
-    byte j of run k holds (row j, k) in its low nibble and (row j + 32, k) in its high nibble; in the
-    tail block, rows 2j and 2j + 1. E.g. N=64: (n=33, k=0) is the high nibble of byte 1 of run 0;
-    N=48: (n=1, k=0) is byte 0's high nibble and (n=0, k=1) is byte 24's low nibble.
-    The layer checks this against its own q at quantization time (`can_unpack`).
+    Rows go in blocks of B (64 where torch runs its AVX-512 kernels, 32 on AVX2: `_int4_block_n`), then
+    one tail block of the remaining N % B rows (a multiple of 16). A block of b rows is stored as K runs
+    of b/2 bytes, flattened over its packed rows. In a full block, byte j of run k holds (row j, k) in
+    its low nibble and (row j + B/2, k) in its high nibble; in the tail block, rows 2j and 2j + 1. E.g.
+    B=64, N=64: (n=33, k=0) is the high nibble of byte 1 of run 0; N=48: (n=1, k=0) is byte 0's high
+    nibble and (n=0, k=1) is byte 24's low nibble. The layer checks this against its own q at
+    quantization time (`can_unpack`).
     """
+    block_n = block_n or _int4_block_n()
     flat = packed.reshape(-1)
-    full = n // INT4_BLOCK_N * INT4_BLOCK_N
-    blocks = flat[:full * k // 2].view(-1, k, INT4_BLOCK_N // 2)
+    full = n // block_n * block_n
+    blocks = flat[:full * k // 2].view(-1, k, block_n // 2)
     out = [torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(full, k)]
     if n > full:
         tail = flat[full * k // 2:].view(k, (n - full) // 2)
         out.append(torch.stack([tail & 15, tail >> 4], dim=2).view(k, n - full).t())
     return torch.cat(out) if n > full else out[0]
+
+
+@functools.cache
+def _int4_block_n() -> int:
+    """The row block of this CPU's int4 pack (torch picks it by the instruction set it runs), found by
+    packing a probe; INT4_BLOCK_NS[0] when none matches (`can_unpack` then keeps the kernel)."""
+    probe = torch.randint(0, 16, (64, 32), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch._convert_weight_to_int4pack_for_cpu(probe, 2)
+    return next((b for b in INT4_BLOCK_NS if torch.equal(_unpack_int4(packed, 64, 32, b), probe.to(torch.uint8))),
+                INT4_BLOCK_NS[0])
 
 
 def quantize_model_(model: nn.Module, method: str) -> dict[str, int]:
