@@ -433,7 +433,8 @@ def prepack_linears_(model: nn.Module) -> dict[str, int]:
 
 def tile_kernels():
     """The CPU kernel namespace, None when they are turned off or did not build (cpu_kernels warns), or
-    when this CPU has no AVX-512: the kernels' portable loops would be slower than MKL's fp32 GEMM."""
+    when this CPU has neither AVX-512 nor AVX2 with FMA: the kernels' portable loops would be slower than
+    MKL's fp32 GEMM."""
     from ascendserve.layers import cpu_kernels
     kernels = cpu_kernels.ops()
-    return kernels if kernels is not None and kernels.avx512_tiles() else None
+    return kernels if kernels is not None and kernels.simd_tiles() else None

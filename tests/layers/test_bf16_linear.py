@@ -120,14 +120,15 @@ def test_bf16_weights_stay_fp32_when_turned_off(monkeypatch, env):
     assert not any(isinstance(m, Bf16Linear) for m in model.modules())
 
 
-def test_kernels_report_their_avx512_tiles_as_the_cpu_has_them(kernels):
+def test_kernels_report_their_simd_tiles_as_the_cpu_has_them(kernels):
     with open("/proc/cpuinfo") as f:
         flags = next((line for line in f if line.startswith("flags")), "").split()
-    assert kernels.avx512_tiles() == ("avx512f" in flags)  # built with -march=native
+    # built with -march=native: AVX-512 tiles, else AVX2 + FMA ones
+    assert kernels.simd_tiles() == ("avx512f" in flags or {"avx2", "fma"} <= set(flags))
 
 
-class _WithoutAvx512:
-    """The real kernels, reporting portable tiles only (a CPU without AVX-512)."""
+class _WithoutSimd:
+    """The real kernels, reporting portable tiles only (a CPU with neither AVX-512 nor AVX2)."""
 
     def __init__(self, ops) -> None:
         self._ops = ops
@@ -135,13 +136,13 @@ class _WithoutAvx512:
     def __getattr__(self, name):
         return getattr(self._ops, name)
 
-    def avx512_tiles(self) -> bool:
+    def simd_tiles(self) -> bool:
         return False
 
 
-def test_without_avx512_tiles_weights_stay_fp32(kernels, monkeypatch):
+def test_without_simd_tiles_weights_stay_fp32(kernels, monkeypatch):
     # The portable loops are slower than MKL's fp32 GEMM: such a CPU keeps the fp32 layers.
-    monkeypatch.setitem(cpu_kernels._state, "ops", _WithoutAvx512(kernels))
+    monkeypatch.setitem(cpu_kernels._state, "ops", _WithoutSimd(kernels))
     model = _TiedLM()
     assert prepack_linears_(model)["bf16"] == 0
     assert not any(isinstance(m, Bf16Linear) for m in model.modules())

@@ -61,7 +61,7 @@ def test_kernel_choice_is_per_row_count(monkeypatch):
 
 
 def test_quantize_model_swaps_linears_and_keeps_unsupported_shapes_dense(caplog, monkeypatch):
-    monkeypatch.setattr(q, "tile_kernels", lambda: None)  # torch's int4 kernel (no AVX-512 tiles)
+    monkeypatch.setattr(q, "tile_kernels", lambda: None)  # torch's int4 kernel (no SIMD tiles)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))  # N=8: no int4 kernel
     with caplog.at_level(logging.INFO):
         stats = quantize_model_(model, "int4")
@@ -78,12 +78,12 @@ def test_lm_head_always_uses_the_kernel():
     assert model.lm_head.max_kernel_rows == q.LM_HEAD_KERNEL_MAX_ROWS
 
 
-# -- int4 on the 4-bit grid kernel (fp32 models on an AVX-512 CPU) ----------------------------------
+# -- int4 on the 4-bit grid kernel (fp32 models on an AVX-512 or AVX2 CPU) ---------------------------
 @pytest.fixture
 def grid_kernels():
     kernels = tile_kernels()
     if kernels is None:
-        pytest.skip("no AVX-512 tiles on this CPU: int4 uses torch's kernel (tested above)")
+        pytest.skip("no SIMD tiles on this CPU: int4 uses torch's kernel (tested above)")
     return kernels
 
 

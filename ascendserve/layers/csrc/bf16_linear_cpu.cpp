@@ -24,9 +24,6 @@
 
 #include "panel_linear.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -40,7 +37,7 @@ inline float bf16_bits_to_float(uint32_t bits) {
   return f;
 }
 
-// Any CPU: the same tile in plain C++ (also the reference the AVX-512 path is tested against).
+// Any CPU: the same tile in plain C++ (also the reference the SIMD tiles are tested against).
 void tile_portable(int rows, const float* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float* out,
                    int64_t ldo, int64_t cols, const float* bias) {
   float acc[kRowBlock][kPanel] = {};
@@ -52,11 +49,10 @@ void tile_portable(int rows, const float* x, int64_t ldx, const uint32_t* panel,
         acc[m][j] += xe * bf16_bits_to_float(lanes[j] << 16) + xo * bf16_bits_to_float(lanes[j] & 0xffff0000u);
     }
   }
-  for (int m = 0; m < rows; ++m)
-    for (int64_t j = 0; j < cols; ++j) out[m * ldo + j] = acc[m][j] + (bias ? bias[j] : 0.f);
+  ascendserve_panel::store_rows(acc, rows, out, ldo, cols, bias);
 }
 
-#if defined(__AVX512F__)
+#if defined(ASCENDSERVE_TILES_AVX512)
 // Input pair kp of a panel as fp32: even / odd inputs of outputs 0-15 (e0, o0) and 16-31 (e1, o1); and a
 // request for the pairs kPrefetchPairs (4 KiB) ahead (the panel is contiguous, so past its end is the next
 // panel; a prefetch never faults). Single-stream decode: 11-16 -> 17-19 GB/s on the Qwen3.5 shapes with
@@ -126,6 +122,46 @@ void tile_fast(int rows, const float* x, int64_t ldx, const uint32_t* panel, int
     }
   });
 }
+#elif defined(ASCENDSERVE_TILES_AVX2)
+// ROWS rows of x, one half (16 outputs) of the panel at a time: per input pair, the half's 16 lanes
+// widened to even / odd fp32 (4 registers), one accumulator per row and 8 outputs.
+template <int ROWS>
+void tile_avx2(const float* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float (*acc)[kPanel]) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int h = 0; h < 2; ++h) {
+    __m256 sum[ROWS][2];
+    for (int m = 0; m < ROWS; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_ps();
+    for (int64_t kp = 0; kp < kpairs; ++kp) {
+      const uint32_t* lanes = panel + kp * kPanel + 16 * h;
+      _mm_prefetch(reinterpret_cast<const char*>(lanes + kPrefetchPairs * kPanel), _MM_HINT_T0);
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8));
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+      const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+      const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+      for (int m = 0; m < ROWS; ++m) {
+        const __m256 xe = _mm256_broadcast_ss(x + m * ldx + 2 * kp);
+        const __m256 xo = _mm256_broadcast_ss(x + m * ldx + 2 * kp + 1);
+        sum[m][0] = _mm256_fmadd_ps(xo, o0, _mm256_fmadd_ps(xe, e0, sum[m][0]));
+        sum[m][1] = _mm256_fmadd_ps(xo, o1, _mm256_fmadd_ps(xe, e1, sum[m][1]));
+      }
+    }
+    for (int m = 0; m < ROWS; ++m) {
+      _mm256_storeu_ps(acc[m] + 16 * h, sum[m][0]);
+      _mm256_storeu_ps(acc[m] + 16 * h + 8, sum[m][1]);
+    }
+  }
+}
+
+void tile_fast(int rows, const float* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float* out, int64_t ldo,
+               int64_t cols, const float* bias) {
+  float acc[kRowBlock][kPanel];
+  ascendserve_panel::in_row_blocks<ascendserve_panel::kAvx2Rows>(rows, [&](int m0, auto r) {
+    tile_avx2<decltype(r)::value>(x + m0 * ldx, ldx, panel, kpairs, acc + m0);
+  });
+  ascendserve_panel::store_rows(acc, rows, out, ldo, cols, bias);
+}
 #else
 void tile_fast(int rows, const float* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float* out, int64_t ldo,
                int64_t cols, const float* bias) {
@@ -192,20 +228,13 @@ at::Tensor bf16_unpack(const at::Tensor& packed, int64_t n) {
   return out;
 }
 
-// Whether the tiles above were compiled for AVX-512 (else only the portable loops, which are slower than
-// MKL's fp32 GEMM: the layers then keep their fp32 weights).
-bool avx512_tiles() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
+// Whether the linear kernels' tiles were compiled for AVX-512 or AVX2 (see panel_linear.h).
+bool simd_tiles() { return ascendserve_panel::simd_tiles(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
-  m.def("avx512_tiles() -> bool", &avx512_tiles);
+  m.def("simd_tiles() -> bool", &simd_tiles);
   m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("bf16_linear_portable(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("bf16_unpack(Tensor packed, int n) -> Tensor");

@@ -9,8 +9,16 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// The tiles' instruction sets: AVX-512 (32 outputs as two 16-lane registers), else AVX2 with FMA (16
+// registers of 8 lanes: a tile works on half a panel at a time, up to kAvx2Rows rows), else plain C++.
+#if defined(__AVX512F__)
+#define ASCENDSERVE_TILES_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ASCENDSERVE_TILES_AVX2 1
 #endif
 
 namespace ascendserve_panel {
@@ -63,7 +71,33 @@ inline void with_tile_rows(int rows, const Fn& fn) {
   fn(std::integral_constant<int, kMax>{});
 }
 
-#if defined(__AVX512F__)
+// fn(m0, std::integral_constant<int, R>{}) for the tile's rows in blocks of R <= kMax rows from row m0.
+template <int kMax, typename Fn>
+inline void in_row_blocks(int rows, const Fn& fn) {
+  for (int m0 = 0; m0 < rows; m0 += kMax) with_tile_rows<kMax>(std::min(kMax, rows - m0), [&](auto r) { fn(m0, r); });
+}
+
+// out[m][0 .. cols) = acc[m] + bias for a tile's rows kept in memory (bias may be nullptr).
+inline void store_rows(const float (*acc)[kPanel], int rows, float* out, int64_t ldo, int64_t cols, const float* bias) {
+  for (int m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < cols; ++j) out[m * ldo + j] = acc[m][j] + (bias ? bias[j] : 0.f);
+}
+
+// Whether the tiles were compiled for a SIMD instruction set (else only the portable loops, which are
+// slower than MKL's fp32 GEMM: the layers then keep their fp32 weights).
+inline bool simd_tiles() {
+#if defined(ASCENDSERVE_TILES_AVX512) || defined(ASCENDSERVE_TILES_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(ASCENDSERVE_TILES_AVX2)
+constexpr int kAvx2Rows = 4;  // x rows per AVX2 register tile
+#endif
+
+#if defined(ASCENDSERVE_TILES_AVX512)
 // out[m][0 .. cols) = acc[m] + bias for a tile's ROWS rows of 32 outputs, two 16-lane halves each (the
 // last panel's columns masked off; bias may be nullptr).
 template <int ROWS>

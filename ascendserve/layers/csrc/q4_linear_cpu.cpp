@@ -22,9 +22,6 @@
 
 #include "panel_linear.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -39,7 +36,7 @@ struct Q4Panel {
   int64_t group;         // G, inputs per (d, m) block
 };
 
-// Any CPU: the same tile in plain C++ (also the reference the AVX-512 path is tested against).
+// Any CPU: the same tile in plain C++ (also the reference the SIMD tiles are tested against).
 void tile_portable(int rows, const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w,
                    float* out, int64_t ldo, int64_t cols, const float* bias) {
   float acc[kMaxRows][kPanel] = {};
@@ -58,11 +55,10 @@ void tile_portable(int rows, const float* x, const float* xsum, int64_t ldx, int
     for (int m = 0; m < rows; ++m)
       for (int64_t j = 0; j < kPanel; ++j) acc[m][j] += d[j] * block[m][j] + mn[j] * xsum[m * groups + g];
   }
-  for (int m = 0; m < rows; ++m)
-    for (int64_t j = 0; j < cols; ++j) out[m * ldo + j] = acc[m][j] + (bias ? bias[j] : 0.f);
+  ascendserve_panel::store_rows(acc, rows, out, ldo, cols, bias);
 }
 
-#if defined(__AVX512F__)
+#if defined(ASCENDSERVE_TILES_AVX512)
 template <int ROWS>
 void tile_avx512(const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w, float* out,
                  int64_t ldo, int64_t cols, const float* bias) {
@@ -109,6 +105,62 @@ void tile_fast(int rows, const float* x, const float* xsum, int64_t ldx, int64_t
   ascendserve_panel::with_tile_rows<kMaxRows>(rows, [&](auto r) {
     tile_avx512<decltype(r)::value>(x, xsum, ldx, groups, w, out, ldo, cols, bias);
   });
+}
+#elif defined(ASCENDSERVE_TILES_AVX2)
+// ROWS rows of x, one half (16 outputs) of the panel at a time: per input pair, the half's 16 bytes
+// widened to 32-bit lanes, each nibble converted to fp32 once for all rows. A block's sums stay in
+// registers (2 a row); the running totals in acc, folded into once per block of G inputs.
+template <int ROWS>
+void tile_avx2(const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w,
+               float (*acc)[kPanel]) {
+  const __m256i nibble = _mm256_set1_epi32(15);
+  for (int h = 0; h < 2; ++h) {
+    for (int m = 0; m < ROWS; ++m)
+      for (int j = 0; j < 16; ++j) acc[m][16 * h + j] = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 block[ROWS][2];
+      for (int m = 0; m < ROWS; ++m) block[m][0] = block[m][1] = _mm256_setzero_ps();
+      for (int64_t kp = g * w.group / 2; kp < (g + 1) * w.group / 2; ++kp) {
+        const uint8_t* bytes = w.q + kp * kPanel + 16 * h;
+        _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchPairs * kPanel), _MM_HINT_T0);
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+        const __m256i b0 = _mm256_cvtepu8_epi32(raw), b1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(raw, raw));
+        const __m256 qe0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nibble));
+        const __m256 qe1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nibble));
+        for (int m = 0; m < ROWS; ++m) {
+          const __m256 xe = _mm256_broadcast_ss(x + m * ldx + 2 * kp);
+          block[m][0] = _mm256_fmadd_ps(xe, qe0, block[m][0]);
+          block[m][1] = _mm256_fmadd_ps(xe, qe1, block[m][1]);
+        }
+        const __m256 qo0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+        const __m256 qo1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+        for (int m = 0; m < ROWS; ++m) {
+          const __m256 xo = _mm256_broadcast_ss(x + m * ldx + 2 * kp + 1);
+          block[m][0] = _mm256_fmadd_ps(xo, qo0, block[m][0]);
+          block[m][1] = _mm256_fmadd_ps(xo, qo1, block[m][1]);
+        }
+      }
+      const float* d = w.scales + g * kPanel + 16 * h;
+      const float* mn = w.mins + g * kPanel + 16 * h;
+      for (int m = 0; m < ROWS; ++m) {
+        const __m256 s = _mm256_broadcast_ss(xsum + m * groups + g);
+        for (int v = 0; v < 2; ++v) {
+          float* a = acc[m] + 16 * h + 8 * v;
+          const __m256 total = _mm256_fmadd_ps(_mm256_loadu_ps(mn + 8 * v), s, _mm256_loadu_ps(a));
+          _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_loadu_ps(d + 8 * v), block[m][v], total));
+        }
+      }
+    }
+  }
+}
+
+void tile_fast(int rows, const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w,
+               float* out, int64_t ldo, int64_t cols, const float* bias) {
+  float acc[kMaxRows][kPanel];
+  ascendserve_panel::in_row_blocks<ascendserve_panel::kAvx2Rows>(rows, [&](int m0, auto r) {
+    tile_avx2<decltype(r)::value>(x + m0 * ldx, xsum + m0 * groups, ldx, groups, w, acc + m0);
+  });
+  ascendserve_panel::store_rows(acc, rows, out, ldo, cols, bias);
 }
 #else
 void tile_fast(int rows, const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w,

@@ -17,9 +17,6 @@
 
 #include "panel_linear.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -33,7 +30,7 @@ struct Q8Panel {
   int64_t group;        // G, inputs per d
 };
 
-// Any CPU: the same tile in plain C++ (also the reference the AVX-512 path is tested against).
+// Any CPU: the same tile in plain C++ (also the reference the SIMD tiles are tested against).
 void tile_portable(int rows, const float* x, int64_t ldx, int64_t groups, const Q8Panel& w, float* out,
                    int64_t ldo, int64_t cols, const float* bias) {
   float acc[kMaxRows][kPanel] = {};
@@ -48,11 +45,10 @@ void tile_portable(int rows, const float* x, int64_t ldx, int64_t groups, const 
     for (int m = 0; m < rows; ++m)
       for (int64_t j = 0; j < kPanel; ++j) acc[m][j] += d[j] * block[m][j];
   }
-  for (int m = 0; m < rows; ++m)
-    for (int64_t j = 0; j < cols; ++j) out[m * ldo + j] = acc[m][j] + (bias ? bias[j] : 0.f);
+  ascendserve_panel::store_rows(acc, rows, out, ldo, cols, bias);
 }
 
-#if defined(__AVX512F__)
+#if defined(ASCENDSERVE_TILES_AVX512)
 template <int ROWS>
 void tile_avx512(const float* x, int64_t ldx, int64_t groups, const Q8Panel& w, float* out, int64_t ldo,
                  int64_t cols, const float* bias) {
@@ -87,6 +83,46 @@ void tile_fast(int rows, const float* x, int64_t ldx, int64_t groups, const Q8Pa
   ascendserve_panel::with_tile_rows<kMaxRows>(rows, [&](auto r) {
     tile_avx512<decltype(r)::value>(x, ldx, groups, w, out, ldo, cols, bias);
   });
+}
+#elif defined(ASCENDSERVE_TILES_AVX2)
+// ROWS rows of x, one half (16 outputs) of the panel at a time, as the 4-bit kernel's AVX2 tile.
+template <int ROWS>
+void tile_avx2(const float* x, int64_t ldx, int64_t groups, const Q8Panel& w, float (*acc)[kPanel]) {
+  for (int h = 0; h < 2; ++h) {
+    for (int m = 0; m < ROWS; ++m)
+      for (int j = 0; j < 16; ++j) acc[m][16 * h + j] = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 block[ROWS][2];
+      for (int m = 0; m < ROWS; ++m) block[m][0] = block[m][1] = _mm256_setzero_ps();
+      for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+        const int8_t* bytes = w.q + k * kPanel + 16 * h;
+        _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchInputs * kPanel), _MM_HINT_T0);
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(raw, raw)));
+        for (int m = 0; m < ROWS; ++m) {
+          const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
+          block[m][0] = _mm256_fmadd_ps(xv, q0, block[m][0]);
+          block[m][1] = _mm256_fmadd_ps(xv, q1, block[m][1]);
+        }
+      }
+      const float* d = w.scales + g * kPanel + 16 * h;
+      for (int m = 0; m < ROWS; ++m)
+        for (int v = 0; v < 2; ++v) {
+          float* a = acc[m] + 16 * h + 8 * v;
+          _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_loadu_ps(d + 8 * v), block[m][v], _mm256_loadu_ps(a)));
+        }
+    }
+  }
+}
+
+void tile_fast(int rows, const float* x, int64_t ldx, int64_t groups, const Q8Panel& w, float* out, int64_t ldo,
+               int64_t cols, const float* bias) {
+  float acc[kMaxRows][kPanel];
+  ascendserve_panel::in_row_blocks<ascendserve_panel::kAvx2Rows>(rows, [&](int m0, auto r) {
+    tile_avx2<decltype(r)::value>(x + m0 * ldx, ldx, groups, w, acc + m0);
+  });
+  ascendserve_panel::store_rows(acc, rows, out, ldo, cols, bias);
 }
 #else
 void tile_fast(int rows, const float* x, int64_t ldx, int64_t groups, const Q8Panel& w, float* out, int64_t ldo,
