@@ -65,6 +65,10 @@ form for larger batches and holds the 4-bit copy beside it.
 Q8_0, so its lm_head, 113 MB of fp32 and the largest read of a single-stream decode step, reads 32 MB.
 """
 
+import functools
+import statistics
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,6 +79,8 @@ from ascendserve.logger import init_logger
 logger = init_logger(__name__)
 
 ENV_VAR = "ASCENDSERVE_PACKED_LINEAR"
+ONEDNN_ENV_VAR = "ASCENDSERVE_ONEDNN_LINEAR"  # 1 / 0: oneDNN's / MKL's fp32 GEMM; unset: the faster (probed)
+ONEDNN_MARGIN = 0.9  # oneDNN is chosen when its probe time is below this share of MKL's
 COMPACT_ENV_VAR = "ASCENDSERVE_COMPACT_WEIGHTS"  # 0: bf16- and 4-bit-valued weights stay fp32
 PANEL_ROWS = 32  # output rows per panel of the bf16 and 4-bit packs (csrc/*_linear_cpu.cpp)
 BF16_KERNEL_MAX_ROWS = 256  # above, widen the weight for the call and use F.linear (see the docstring)
@@ -85,6 +91,65 @@ Q8_KERNEL_MAX_ROWS = 24  # above, the fp32 layer (MKL): see Q8Linear
 PACK_ROWS = 64  # the m each weight is packed for
 MIN_PACKED_ROWS = 4  # below, F.linear (MKL's gemv) was as fast, or faster for K >= 1024
 MAX_PACKED_ROWS = 128  # above, F.linear was as fast or faster (prefill)
+
+
+@functools.cache
+def onednn_gemm_faster() -> bool:
+    """Whether fp32 CPU linears multiply with oneDNN's GEMM rather than MKL's: ASCENDSERVE_ONEDNN_LINEAR
+    when set, else whether oneDNN ran a probe GEMM (256 x 1024 by 2048 x 1024) in under ONEDNN_MARGIN
+    of MKL's time, both timed in turn, once per process. On an AMD EPYC (AVX2) oneDNN was 1.2-1.9x
+    faster from 32 rows on (the demo's shapes: 117-123 vs 90-100 GFLOP/s at 2048 rows, its lm_head at 64
+    rows 40 vs 79 ms); on the Intel Xeons of earlier runs MKL's GEMM ran near the cores' peak."""
+    available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    forced = env_switch(ONEDNN_ENV_VAR)
+    if forced is not None or not available:
+        return bool(forced) and available
+    x, weight = torch.randn(256, 1024), torch.randn(2048, 1024) * 0.03
+    gemms = {"MKL": lambda: F.linear(x, weight), "oneDNN": lambda: _onednn_linear(x, weight, None)}
+    times: dict[str, list[float]] = {name: [] for name in gemms}
+    for rep in range(6):  # the first round warms both up and is not counted
+        for name, gemm in gemms.items():
+            start = time.perf_counter()
+            gemm()
+            if rep:
+                times[name].append(time.perf_counter() - start)
+    mkl, onednn = (statistics.median(times[name]) * 1e3 for name in ("MKL", "oneDNN"))
+    faster = onednn < ONEDNN_MARGIN * mkl
+    logger.info("fp32 GEMM probe (256 x 1024 by 2048 x 1024): oneDNN %.2f ms, MKL %.2f ms: %s for fp32 linears; "
+                "%s=0/1 picks one", onednn, mkl, "oneDNN" if faster else "MKL", ONEDNN_ENV_VAR)
+    return faster
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through oneDNN's GEMM for fp32 CPU tensors where onednn_gemm_faster()
+    (a compiled forward keeps F.linear, which inductor lowers itself)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (rows and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
+            and not torch.compiler.is_compiling() and onednn_gemm_faster()):
+        out = _onednn_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+class DenseLinear(nn.Module):
+    """y = x @ W.T + b on an fp32 CPU weight by dense_linear (oneDNN's GEMM): what an nn.Linear becomes
+    where oneDNN's GEMM measured faster than MKL's (MKL's pack, PackedLinear, is then not made)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same Parameter: ties (embedding / lm_head) survive
+        self.register_parameter("bias", linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def packing_supported() -> bool:
@@ -185,8 +250,8 @@ class Bf16Linear(KernelLinear):
         return self.kernels.bf16_linear(x, self.packed, self.out_features, self.bias)
 
     def _large(self, x: torch.Tensor) -> torch.Tensor:
-        # Compute-bound: MKL's GEMM on the weight widened for this call beats the kernel there.
-        return F.linear(x, self.kernels.bf16_unpack(self.packed, self.out_features), self.bias)
+        # Compute-bound: a GEMM on the weight widened for this call beats the kernel there.
+        return dense_linear(x, self.kernels.bf16_unpack(self.packed, self.out_features), self.bias)
 
 
 class GridLinear(KernelLinear):
@@ -367,15 +432,16 @@ def _pack_takes_any_rows(weight: torch.Tensor, pack: torch.Tensor) -> bool:
 def prepack_linears_(model: nn.Module) -> dict[str, int]:
     """Replace the model's fp32 CPU nn.Linear layers in place; returns counts and bytes.
 
-    All bf16 values -> Bf16Linear. Else PackedLinear (MKL's packed GEMM, unless
-    ASCENDSERVE_PACKED_LINEAR=0), wrapped in a Q4Linear for small batches when the values are a 4-bit
+    All bf16 values -> Bf16Linear. Else DenseLinear where oneDNN's GEMM is the faster
+    (onednn_gemm_faster), or PackedLinear (MKL's packed GEMM, unless ASCENDSERVE_PACKED_LINEAR=0), wrapped in a Q4Linear for small batches when the values are a 4-bit
     grid per 32 inputs (a dequantized Q4_0 / Q4_1 GGUF), or in a Q8Linear when they are an 8-bit one
     (Q8_0). Bf16Linear, Q4Linear and Q8Linear need the CPU kernels and ASCENDSERVE_COMPACT_WEIGHTS not
     0. A no-op (zeros) where none applies, e.g. bf16 or non-CPU layers. Call after the weights are loaded.
     """
     stats = {"packed": 0, "weight_bytes": 0, "pack_bytes": 0, "padded": 0, "bf16": 0, "bf16_bytes": 0,
-             "q4": 0, "q4_bytes": 0, "q8": 0, "q8_bytes": 0}
-    compact, mkl = env_switch(COMPACT_ENV_VAR) is not False, packing_supported()
+             "q4": 0, "q4_bytes": 0, "q8": 0, "q8_bytes": 0, "onednn": 0}
+    compact, onednn = env_switch(COMPACT_ENV_VAR) is not False, onednn_gemm_faster()
+    mkl = packing_supported() and not onednn
     any_rows_by_shape: dict[tuple[int, int], bool] = {}
     with torch.no_grad():
         for parent in list(model.modules()):
@@ -389,7 +455,10 @@ def prepack_linears_(model: nn.Module) -> dict[str, int]:
                     setattr(parent, name, layer)
                     continue
                 layer = child
-                if mkl:
+                if onednn:
+                    layer = DenseLinear(child)
+                    stats["onednn"] += 1
+                elif mkl:
                     shape = tuple(child.weight.shape)
                     layer = PackedLinear(child, any_rows_by_shape.get(shape))
                     any_rows_by_shape[shape] = layer.any_rows

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascendserve.layers.linear import KernelLinear, pack_q4, round_to_grid, tile_kernels
+from ascendserve.layers.linear import KernelLinear, dense_linear, pack_q4, round_to_grid, tile_kernels
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -119,7 +119,7 @@ class WeightOnlyLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
         else:
-            out = F.linear(x, self.dequantize(self.out_dtype), self.bias)
+            out = dense_linear(x, self.dequantize(self.out_dtype), self.bias)
         return out.reshape(*shape[:-1], self.out_features)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,7 +180,7 @@ class GridInt4Linear(KernelLinear):
         return self.kernels.q4_linear(x, self.q, self.scales, self.mins, self.out_features, self.bias)
 
     def _large(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantize(), self.bias)
+        return dense_linear(x, self.dequantize(), self.bias)
 
     def dequantize(self) -> torch.Tensor:
         """The dense fp32 [N, K] weight this layer multiplies by."""

@@ -4,6 +4,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ascendserve.layers import linear
+
+
+def fp32_layer_type() -> type:
+    """What prepack_linears_ makes of a plain fp32 CPU nn.Linear on this machine."""
+    if linear.onednn_gemm_faster():
+        return linear.DenseLinear
+    return linear.PackedLinear if linear.packing_supported() else nn.Linear
+
 
 def assert_fp32_product(out: torch.Tensor, x: torch.Tensor, layer: nn.Linear) -> None:
     bias = None if layer.bias is None else layer.bias.double()

@@ -8,8 +8,8 @@ from torch import nn
 
 from ascendserve.layers import cpu_kernels
 from ascendserve.layers import linear as linear_mod
-from ascendserve.layers.linear import Bf16Linear, PackedLinear, pack_bf16, prepack_linears_
-from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows
+from ascendserve.layers.linear import Bf16Linear, pack_bf16, prepack_linears_
+from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows, fp32_layer_type
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +100,7 @@ def test_prepack_keeps_bf16_valued_weights_as_bf16(kernels, caplog):
     with caplog.at_level(logging.INFO):
         stats = prepack_linears_(model)
     assert isinstance(model.proj, Bf16Linear) and isinstance(model.lm_head, Bf16Linear)
-    expected_fp32 = PackedLinear if linear_mod.packing_supported() else nn.Linear
+    expected_fp32 = fp32_layer_type()
     assert type(model.odd) is expected_fp32 and type(model.fp32) is expected_fp32
     assert stats["bf16"] == 2 and stats["bf16_bytes"] == (32 * 32 + 128 * 32) * 2  # the pack pads N to 32 rows
     assert "2 fp32 linear layers hold bf16 values" in caplog.text and linear_mod.COMPACT_ENV_VAR in caplog.text

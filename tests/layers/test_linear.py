@@ -1,4 +1,5 @@
-"""PackedLinear (MKL-packed fp32 weights): equal to F.linear at every batch size, ties kept, no-op off CPU fp32."""
+"""PackedLinear (MKL-packed fp32 weights) and DenseLinear (oneDNN's GEMM): equal to F.linear at every batch size,
+ties kept, no-op off CPU fp32; the probe that picks between the two GEMMs."""
 
 import logging
 
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ascendserve.layers import linear as packed
-from ascendserve.layers.linear import PackedLinear, packing_supported, prepack_linears_
+from ascendserve.layers.linear import DenseLinear, PackedLinear, dense_linear, packing_supported, prepack_linears_
 
 pytestmark = pytest.mark.skipif(not packing_supported(), reason="torch without MKL's packed GEMM")
 
@@ -55,7 +56,8 @@ class _TiedLM(nn.Module):
         self.lm_head.weight = self.embed_tokens.weight
 
 
-def test_prepack_swaps_linears_and_keeps_the_tie(caplog):
+def test_prepack_swaps_linears_and_keeps_the_tie(caplog, force_gemm):
+    force_gemm(onednn=False)
     model = _TiedLM()
     weight_ptr = model.embed_tokens.weight.data_ptr()
     num_params = len(list(model.parameters()))
@@ -80,8 +82,57 @@ def test_prepack_is_a_no_op_off_cpu_fp32(dtype, device):
     assert type(model[0]) is nn.Linear
 
 
-def test_prepack_is_a_no_op_when_turned_off(monkeypatch):
+def test_prepack_is_a_no_op_when_turned_off(monkeypatch, force_gemm):
+    force_gemm(onednn=False)
     monkeypatch.setenv(packed.ENV_VAR, "0")
     model = nn.Sequential(nn.Linear(32, 32))
     assert prepack_linears_(model)["packed"] == 0
     assert type(model[0]) is nn.Linear
+
+
+# -- oneDNN's GEMM (DenseLinear), where the probe finds it faster than MKL's ----------------------------------
+needs_onednn = pytest.mark.skipif(not hasattr(torch.ops.mkldnn, "_linear_pointwise"), reason="torch without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_dense_linear_on_onednn_equals_f_linear(bias, force_gemm):
+    force_gemm(onednn=True)
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 960, bias=bias)
+    layer = DenseLinear(linear)
+    assert layer.weight is linear.weight
+    for rows in (1, 3, 64, 300):
+        _assert_close_to_linear(layer, linear.weight, linear.bias, rows, 576)
+    x = torch.randn(2, 3, 576)[:, ::2]  # leading dims flattened, a non-contiguous input copied
+    assert torch.allclose(layer(x), F.linear(x, linear.weight, linear.bias), atol=1e-5)
+    assert layer(torch.randn(0, 576)).shape == (0, 960)
+    assert dense_linear(x.double(), linear.weight.double()).dtype == torch.float64  # not fp32: F.linear
+
+
+@needs_onednn
+def test_prepack_makes_dense_linears_on_onednn_and_keeps_the_tie(force_gemm):
+    force_gemm(onednn=True)
+    model = _TiedLM()
+    stats = prepack_linears_(model)
+    assert type(model.proj) is DenseLinear and type(model.lm_head) is DenseLinear
+    assert stats["onednn"] == 2 and stats["packed"] == 0  # no MKL pack beside it
+    assert model.lm_head.weight is model.embed_tokens.weight
+    x = torch.randn(300, 32)
+    assert torch.allclose(model.lm_head(x), x @ model.embed_tokens.weight.t(), atol=1e-5)
+
+
+@needs_onednn
+def test_the_gemm_probe_times_both_once_and_an_environment_choice_skips_it(monkeypatch, caplog, force_gemm):
+    monkeypatch.delenv(packed.ONEDNN_ENV_VAR, raising=False)
+    packed.onednn_gemm_faster.cache_clear()
+    with caplog.at_level(logging.INFO):
+        picked = packed.onednn_gemm_faster()
+        assert packed.onednn_gemm_faster() is picked  # cached: one probe a process
+    assert caplog.text.count("fp32 GEMM probe") == 1 and ("oneDNN" if picked else "MKL") + " for fp32" in caplog.text
+    for value, expected in (("1", True), ("0", False)):
+        force_gemm(onednn=expected)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            assert packed.onednn_gemm_faster() is expected
+        assert "probe" not in caplog.text

@@ -8,7 +8,8 @@ from torch import nn
 
 from ascendserve.layers import linear as linear_mod
 from ascendserve.layers.linear import Bf16Linear, Q4Linear, find_q4_grid, pack_q4, prepack_linears_
-from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows, assert_kernel_up_to_max_rows
+from tests.layers.kernel_checks import (assert_fp32_product, assert_kernel_rows, assert_kernel_up_to_max_rows,
+                                       fp32_layer_type)
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +93,7 @@ def test_prepack_picks_bf16_or_fp32_with_a_q4_copy(kernels):
         model.bf16.weight.copy_(model.bf16.weight.bfloat16().float())
     model.fp32 = nn.Linear(64, 64)
     stats = prepack_linears_(model)
-    fp32_type = linear_mod.PackedLinear if linear_mod.packing_supported() else nn.Linear
+    fp32_type = fp32_layer_type()
     assert isinstance(model.grid, Q4Linear) and type(model.grid.dense) is fp32_type
     assert isinstance(model.bf16, Bf16Linear) and type(model.fp32) is fp32_type
     assert stats["q4"] == 1 and stats["bf16"] == 1
