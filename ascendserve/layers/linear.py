@@ -433,15 +433,16 @@ def prepack_linears_(model: nn.Module) -> dict[str, int]:
     """Replace the model's fp32 CPU nn.Linear layers in place; returns counts and bytes.
 
     All bf16 values -> Bf16Linear. Else DenseLinear where oneDNN's GEMM is the faster
-    (onednn_gemm_faster), or PackedLinear (MKL's packed GEMM, unless ASCENDSERVE_PACKED_LINEAR=0), wrapped in a Q4Linear for small batches when the values are a 4-bit
-    grid per 32 inputs (a dequantized Q4_0 / Q4_1 GGUF), or in a Q8Linear when they are an 8-bit one
-    (Q8_0). Bf16Linear, Q4Linear and Q8Linear need the CPU kernels and ASCENDSERVE_COMPACT_WEIGHTS not
-    0. A no-op (zeros) where none applies, e.g. bf16 or non-CPU layers. Call after the weights are loaded.
+    (onednn_gemm_faster), or PackedLinear (MKL's packed GEMM, unless ASCENDSERVE_PACKED_LINEAR=0),
+    wrapped in a Q4Linear for small batches when the values are a 4-bit grid per 32 inputs (a
+    dequantized Q4_0 / Q4_1 GGUF), or in a Q8Linear when they are an 8-bit one (Q8_0). Bf16Linear,
+    Q4Linear and Q8Linear need the CPU kernels and ASCENDSERVE_COMPACT_WEIGHTS not 0. A no-op (zeros)
+    where none applies, e.g. bf16 or non-CPU layers (the GEMM probe then does not run either). Call after
+    the weights are loaded.
     """
     stats = {"packed": 0, "weight_bytes": 0, "pack_bytes": 0, "padded": 0, "bf16": 0, "bf16_bytes": 0,
              "q4": 0, "q4_bytes": 0, "q8": 0, "q8_bytes": 0, "onednn": 0}
-    compact, onednn = env_switch(COMPACT_ENV_VAR) is not False, onednn_gemm_faster()
-    mkl = packing_supported() and not onednn
+    compact, mkl = env_switch(COMPACT_ENV_VAR) is not False, packing_supported()
     any_rows_by_shape: dict[tuple[int, int], bool] = {}
     with torch.no_grad():
         for parent in list(model.modules()):
@@ -455,7 +456,7 @@ def prepack_linears_(model: nn.Module) -> dict[str, int]:
                     setattr(parent, name, layer)
                     continue
                 layer = child
-                if onednn:
+                if onednn_gemm_faster():  # probed once: here, or at a bf16 layer's first large batch
                     layer = DenseLinear(child)
                     stats["onednn"] += 1
                 elif mkl:

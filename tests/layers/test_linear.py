@@ -76,10 +76,12 @@ def test_prepack_swaps_linears_and_keeps_the_tie(caplog, force_gemm):
 
 
 @pytest.mark.parametrize("dtype, device", [(torch.bfloat16, "cpu"), (torch.float32, "meta")])
-def test_prepack_is_a_no_op_off_cpu_fp32(dtype, device):
+def test_prepack_is_a_no_op_off_cpu_fp32(dtype, device, monkeypatch):
+    probes = []
+    monkeypatch.setattr(packed, "onednn_gemm_faster", lambda: probes.append(1) or True)
     model = nn.Sequential(nn.Linear(32, 32, dtype=dtype, device=device))
     assert prepack_linears_(model)["packed"] == 0
-    assert type(model[0]) is nn.Linear
+    assert type(model[0]) is nn.Linear and not probes  # no GEMM probe without an fp32 CPU layer
 
 
 def test_prepack_is_a_no_op_when_turned_off(monkeypatch, force_gemm):
