@@ -24,7 +24,6 @@
 
 #include "panel_linear.h"
 
-
 namespace {
 
 using ascendserve_panel::kPanel;

@@ -22,7 +22,6 @@
 
 #include "panel_linear.h"
 
-
 namespace {
 
 using ascendserve_panel::kMaxRows;

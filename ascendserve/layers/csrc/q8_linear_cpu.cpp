@@ -17,7 +17,6 @@
 
 #include "panel_linear.h"
 
-
 namespace {
 
 using ascendserve_panel::kMaxRows;
