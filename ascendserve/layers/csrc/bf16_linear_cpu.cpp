@@ -153,9 +153,34 @@ void tile_avx2(const float* x, int64_t ldx, const uint32_t* panel, int64_t kpair
   }
 }
 
+// One row (single-stream decode): the whole panel in one pass, 4 accumulators of 8 outputs. The
+// half-panel tile above walks each panel twice, and at one row a panel (K/2 x 128 bytes) is gone from
+// L1 by the second walk.
+void tile_avx2_one_row(const float* x, const uint32_t* panel, int64_t kpairs, float* acc) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 sum[4];
+  for (int v = 0; v < 4; ++v) sum[v] = _mm256_setzero_ps();
+  for (int64_t kp = 0; kp < kpairs; ++kp) {
+    const uint32_t* lanes = panel + kp * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(lanes + kPrefetchPairs * kPanel), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(lanes + kPrefetchPairs * kPanel + 16), _MM_HINT_T0);
+    const __m256 xe = _mm256_broadcast_ss(x + 2 * kp), xo = _mm256_broadcast_ss(x + 2 * kp + 1);
+    for (int v = 0; v < 4; ++v) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 8 * v));
+      sum[v] = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), sum[v]);
+      sum[v] = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(w, high)), sum[v]);
+    }
+  }
+  for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + 8 * v, sum[v]);
+}
+
 void tile_fast(int rows, const float* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float* out, int64_t ldo,
                int64_t cols, const float* bias) {
   float acc[kRowBlock][kPanel];
+  if (rows == 1) {
+    tile_avx2_one_row(x, panel, kpairs, acc[0]);
+    return ascendserve_panel::store_rows(acc, 1, out, ldo, cols, bias);
+  }
   ascendserve_panel::in_row_blocks<ascendserve_panel::kAvx2Rows>(rows, [&](int m0, auto r) {
     tile_avx2<decltype(r)::value>(x + m0 * ldx, ldx, panel, kpairs, acc + m0);
   });
