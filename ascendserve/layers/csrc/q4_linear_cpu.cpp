@@ -153,9 +153,43 @@ void tile_avx2(const float* x, const float* xsum, int64_t ldx, int64_t groups, c
   }
 }
 
+// One row (single-stream decode): the whole panel in one pass, even and odd inputs in separate
+// accumulators (8 independent FMA chains). The tile above walks each panel twice and, at one row,
+// chains two FMAs a step on each accumulator: Qwen3.5 shapes at one row from DRAM 5.8-6.9 -> 9.6-12.4 GB/s
+// (AMD EPYC, 2 threads; int4 B=1 decode step 66 ms in-process).
+void tile_avx2_one_row(const float* x, const float* xsum, int64_t groups, const Q4Panel& w, float* acc) {
+  const __m256i nibble = _mm256_set1_epi32(15);
+  __m256 total[4];
+  for (int v = 0; v < 4; ++v) total[v] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 even[4], odd[4];
+    for (int v = 0; v < 4; ++v) even[v] = odd[v] = _mm256_setzero_ps();
+    for (int64_t kp = g * w.group / 2; kp < (g + 1) * w.group / 2; ++kp) {
+      const uint8_t* bytes = w.q + kp * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchPairs * kPanel), _MM_HINT_T0);
+      const __m256 xe = _mm256_broadcast_ss(x + 2 * kp), xo = _mm256_broadcast_ss(x + 2 * kp + 1);
+      for (int v = 0; v < 4; ++v) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * v)));
+        even[v] = _mm256_fmadd_ps(xe, _mm256_cvtepi32_ps(_mm256_and_si256(b, nibble)), even[v]);
+        odd[v] = _mm256_fmadd_ps(xo, _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), odd[v]);
+      }
+    }
+    const __m256 s = _mm256_broadcast_ss(xsum + g);
+    for (int v = 0; v < 4; ++v) {
+      const __m256 d = _mm256_loadu_ps(w.scales + g * kPanel + 8 * v), mn = _mm256_loadu_ps(w.mins + g * kPanel + 8 * v);
+      total[v] = _mm256_fmadd_ps(d, _mm256_add_ps(even[v], odd[v]), _mm256_fmadd_ps(mn, s, total[v]));
+    }
+  }
+  for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + 8 * v, total[v]);
+}
+
 void tile_fast(int rows, const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w,
                float* out, int64_t ldo, int64_t cols, const float* bias) {
   float acc[kMaxRows][kPanel];
+  if (rows == 1) {
+    tile_avx2_one_row(x, xsum, groups, w, acc[0]);
+    return ascendserve_panel::store_rows(acc, 1, out, ldo, cols, bias);
+  }
   ascendserve_panel::in_row_blocks<ascendserve_panel::kAvx2Rows>(rows, [&](int m0, auto r) {
     tile_avx2<decltype(r)::value>(x + m0 * ldx, xsum + m0 * groups, ldx, groups, w, acc + m0);
   });
