@@ -21,6 +21,7 @@ from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
 
+RECOMPILE_LIMIT = 64
 ENV_VAR = "ASCENDSERVE_COMPILE"  # "1": compile even where the platform's default is eager; "0": never
 
 
@@ -48,6 +49,11 @@ def compile_model_(model: torch.nn.Module, platform) -> int:
                        "so the model runs eagerly (install g++, or pass --enforce-eager to silence this)")
         return 0
     classes = compiled_module_classes()
+    # One compiled entry per variant of a forward's code object, shared by every instance of the class
+    # (and by a subclass that inherits it: GemmaRMSNorm's is RMSNorm's): 2-D and 3-D inputs, with and
+    # without a residual, one token (specialized) or many, across the models of a process (the test
+    # suite's). Dynamo's default of 8 is then too few, and fullgraph=True makes that an error.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     count = 0
     for module in model.modules():
         if isinstance(module, classes):

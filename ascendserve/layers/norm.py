@@ -15,6 +15,8 @@ def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor):
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w, computed in fp32 and cast back, as transformers' LlamaRMSNorm."""
 
+    unit_offset = False  # the CPU ops' flag: scale by (1 + w) instead of w
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -27,30 +29,32 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         if (x.dim() == 2 and x.shape == residual.shape and x.is_contiguous() and residual.is_contiguous()
                 and (kernels := cpu_kernels.fp32_ops(x, residual, self.weight)) is not None):
-            return kernels.add_rms_norm(x, residual, self.weight, self.eps, False)
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
         summed = x + residual
         return self._norm(summed), summed
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if (kernels := _rms_norm_op(x, self.weight)) is not None:
-            return kernels.rms_norm(x, self.weight, self.eps, False)
+            return kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return self._torch_norm(x)
+
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """y = x / rms(x) * (1 + w), the multiply in fp32 (Qwen3.5's zero-centred norm)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden_size))
-        self.eps = eps
+    unit_offset = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (kernels := _rms_norm_op(x, self.weight)) is not None:
-            return kernels.rms_norm(x, self.weight, self.eps, True)
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)

@@ -232,13 +232,19 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, cache, attn_meta, state_meta) -> torch.Tensor:
-        x = self.input_layernorm(hidden)
-        if self.is_linear:
-            hidden = hidden + self.linear_attn(x, cache, state_meta)
+    def forward(self, positions, hidden, residual, cache, attn_meta, state_meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the caller adds the two (the next
+        layer's input norm or the final norm does, in one op with its norm)."""
+        if residual is None:
+            residual, x = hidden, self.input_layernorm(hidden)
         else:
-            hidden = hidden + self.self_attn(positions, x, cache, attn_meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            x, residual = self.input_layernorm(hidden, residual)
+        if self.is_linear:
+            x = self.linear_attn(x, cache, state_meta)
+        else:
+            x = self.self_attn(positions, x, cache, attn_meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Qwen3_5Model(nn.Module):
@@ -266,11 +272,11 @@ class Qwen3_5Model(nn.Module):
             counts[t] += 1
 
     def forward(self, input_ids, positions, kv_caches, attn_meta, state_caches, state_meta) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer, index in zip(self.layers, self.cache_index):
             cache = state_caches[index] if layer.is_linear else kv_caches[index]
-            hidden = layer(positions, hidden, cache, attn_meta, state_meta)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, cache, attn_meta, state_meta)
+        return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
 
 
 class Qwen3_5ForCausalLM(nn.Module):
