@@ -34,8 +34,11 @@ in the 4-bit panel layout of csrc/q4_linear_cpu.cpp (the kernel a Q4_0 / Q4_1 GG
 layers/linear.py) and multiplied in fp32: no bf16 rounding of the activations, and every layer
 shape fits (N is padded to the 32-row panel, so Qwen3.5's in_proj_ba is quantized too).
 0.625 bytes a weight (0.5 for q, 0.125 for d and m); llama.cpp's Q4_0 is 0.5625. Batches of up to
-GRID_KERNEL_MAX_ROWS rows use the kernel, larger ones the weight dequantized for the call + MKL's
-GEMM (no dense copy is kept); lm_head always the kernel.
+GRID_KERNEL_MAX_ROWS rows use the kernel, larger ones the weight dequantized for the call + the dense
+GEMM (no dense copy is kept); lm_head always the kernel. The crossover depends on the tiles: 256 rows
+with AVX-512 (Intel Xeon); with AVX2 (AMD EPYC, Qwen3.5 shapes, kernel vs q4_unpack + oneDNN, ms) 64
+rows 7.0-15.5 vs 9.0-22.3, 96 rows 10.1-22.3 vs 10.5-20.6, 128 rows 13.8-29.7 vs 12.2-28.6, 256 rows
+27.7-65.4 vs 22.2-62.1: the 4-row AVX2 tile converts each nibble for 4 rows only.
 """
 
 import functools
@@ -58,7 +61,8 @@ LM_HEAD_KERNEL_MAX_ROWS = 1 << 30
 INT4_GROUP_SIZES = (64, 32)  # preferred first; the first that divides in_features is used
 INT4_BLOCK_NS = (64, 32)  # rows the CPU int4 pack interleaves: 64 on AVX-512, 32 on AVX2 (see _unpack_int4)
 GRID_GROUP = 64  # inputs per (d, m) block of GridInt4Linear; 32 where 64 does not divide K
-GRID_KERNEL_MAX_ROWS = 256  # above, dequantize for the call and use F.linear, as Bf16Linear does above 256
+# By the tiles' fp32 lanes (16: AVX-512, 8: AVX2): above, dequantize for the call and use the dense GEMM.
+GRID_KERNEL_MAX_ROWS = {16: 256, 8: 96}
 
 
 class WeightOnlyLinear(nn.Module):
@@ -155,7 +159,7 @@ class GridInt4Linear(KernelLinear):
 
     def __init__(self, linear: nn.Linear, kernels, max_rows: int | None = None) -> None:
         super().__init__(linear, kernels)
-        self.max_rows = GRID_KERNEL_MAX_ROWS if max_rows is None else max_rows
+        self.max_rows = GRID_KERNEL_MAX_ROWS[kernels.tile_lanes()] if max_rows is None else max_rows
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         weight = linear.weight.detach().float()
         n, k = weight.shape

@@ -125,6 +125,7 @@ def test_kernels_report_their_simd_tiles_as_the_cpu_has_them(kernels):
         flags = next((line for line in f if line.startswith("flags")), "").split()
     # built with -march=native: AVX-512 tiles, else AVX2 + FMA ones
     assert kernels.simd_tiles() == ("avx512f" in flags or {"avx2", "fma"} <= set(flags))
+    assert kernels.tile_lanes() == (16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= set(flags) else 0)
 
 
 class _WithoutSimd:

@@ -254,11 +254,13 @@ at::Tensor bf16_unpack(const at::Tensor& packed, int64_t n) {
 
 // Whether the linear kernels' tiles were compiled for AVX-512 or AVX2 (see panel_linear.h).
 bool simd_tiles() { return ascendserve_panel::simd_tiles(); }
+int64_t tile_lanes() { return ascendserve_panel::tile_lanes(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("simd_tiles() -> bool", &simd_tiles);
+  m.def("tile_lanes() -> int", &tile_lanes);
   m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("bf16_linear_portable(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("bf16_unpack(Tensor packed, int n) -> Tensor");

@@ -93,6 +93,18 @@ inline bool simd_tiles() {
 #endif
 }
 
+// fp32 lanes per register of the tiles: 16 (AVX-512), 8 (AVX2), 0 (portable loops only). Where the
+// kernels stop paying off against a dense GEMM depends on it (layers/quantization.py).
+inline int64_t tile_lanes() {
+#if defined(ASCENDSERVE_TILES_AVX512)
+  return 16;
+#elif defined(ASCENDSERVE_TILES_AVX2)
+  return 8;
+#else
+  return 0;
+#endif
+}
+
 #if defined(ASCENDSERVE_TILES_AVX2)
 constexpr int kAvx2Rows = 4;  // x rows per AVX2 register tile
 #endif
