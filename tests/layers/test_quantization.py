@@ -124,7 +124,8 @@ def test_int4_on_fp32_cpu_layers_uses_the_grid_kernel_for_every_shape(grid_kerne
         stats = quantize_model_(model, "int4")
     assert all(isinstance(m, GridInt4Linear) for m in (model.proj, model.heads, model.lm_head))
     assert stats["quantized"] == 3 and stats["skipped"] == 0
-    assert model.proj.max_rows == q.GRID_KERNEL_MAX_ROWS[grid_kernels.tile_lanes()] and model.lm_head.max_rows == q.LM_HEAD_KERNEL_MAX_ROWS
+    assert model.proj.max_rows == q.GRID_KERNEL_MAX_ROWS[grid_kernels.tile_lanes()]
+    assert model.lm_head.max_rows == q.LM_HEAD_KERNEL_MAX_ROWS
     # 0.625 bytes a weight with fp32 d and m per 64 inputs (N padded to 32-row panels), biases fp32.
     assert stats["bytes_after"] == (128 * 64 + 32 * 128 + 512 * 64) * 5 // 8 + (128 + 8) * 4
     assert "int4" in caplog.text

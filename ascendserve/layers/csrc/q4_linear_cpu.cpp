@@ -176,7 +176,8 @@ void tile_avx2_one_row(const float* x, const float* xsum, int64_t groups, const 
     }
     const __m256 s = _mm256_broadcast_ss(xsum + g);
     for (int v = 0; v < 4; ++v) {
-      const __m256 d = _mm256_loadu_ps(w.scales + g * kPanel + 8 * v), mn = _mm256_loadu_ps(w.mins + g * kPanel + 8 * v);
+      const __m256 d = _mm256_loadu_ps(w.scales + g * kPanel + 8 * v);
+      const __m256 mn = _mm256_loadu_ps(w.mins + g * kPanel + 8 * v);
       total[v] = _mm256_fmadd_ps(d, _mm256_add_ps(even[v], odd[v]), _mm256_fmadd_ps(mn, s, total[v]));
     }
   }
