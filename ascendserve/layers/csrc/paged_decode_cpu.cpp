@@ -267,10 +267,18 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
 
-  // A work item is one request and a run of its kv heads: all of them when there are enough requests
-  // to keep every thread busy (a block's rows are then read front to back, which the prefetchers
-  // follow; one head's slice of each row is a strided walk that ran at half the bandwidth), else one.
+  // A work item is one request and a run of its kv heads: all of them (a block's rows are then read
+  // front to back, which the prefetchers follow; one head's slice of each row is a strided walk that
+  // ran at half the bandwidth). The AVX-512 build (measured on Intel Xeons) takes one head an item
+  // when there are fewer requests than threads, to keep every thread busy. Elsewhere the strided walk
+  // costs more than the second thread gains: on an AMD EPYC (AVX2), one demo request (9 q / 3 kv
+  // heads of 64) of 350 tokens took 344 us by head on two threads and 141 us by row on one; in the
+  // engine, a single-stream demo step's attention 278 -> 80 us a layer (torch.profiler).
+#if defined(__AVX512F__)
   const int64_t heads_per_item = num_seqs >= at::get_num_threads() ? num_kv_heads : 1;
+#else
+  const int64_t heads_per_item = num_kv_heads;
+#endif
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
   at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     const int64_t rows_per_item = heads_per_item * group;  // query heads of one item
