@@ -64,6 +64,18 @@ def test_layer_runs_its_fp32_layer_above_the_kernel_rows(kernels, monkeypatch):
     assert q8.q.numel() == 96 * 576 and q8.bias is layer.bias  # a byte per weight, plus d per 32
 
 
+@pytest.mark.parametrize("op", ["q8_linear", "q8_linear_portable"])
+def test_odd_block_sizes_are_the_fp32_product(kernels, op):
+    # 63 inputs in 3 blocks of 21: the one-row tile takes inputs in pairs, then a block's odd last one.
+    torch.manual_seed(0)
+    q = torch.randint(-127, 128, (40, 63), dtype=torch.int8)
+    d = torch.rand(40, 3) * 0.01
+    layer = nn.Linear(63, 40)
+    with torch.no_grad():
+        layer.weight.copy_((q.float().view(40, 3, 21) * d[..., None]).view(40, 63))
+    assert_kernel_rows(getattr(kernels, op), pack_q8(q, d), layer, [1, 2, 5])
+
+
 def test_kernel_rejects_mismatched_inputs(kernels):
     q, scales = pack_q8(*find_q8_grid(_q8_0(40, 64)))
     with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):

@@ -115,9 +115,46 @@ void tile_avx2(const float* x, int64_t ldx, int64_t groups, const Q8Panel& w, fl
   }
 }
 
+// One row (single-stream decode): the whole panel in one pass, even and odd inputs in separate
+// accumulators (8 independent FMA chains), as the 4-bit kernel's one-row tile.
+void tile_avx2_one_row(const float* x, int64_t groups, const Q8Panel& w, float* acc) {
+  auto widened = [](const int8_t* bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+  };
+  __m256 total[4];
+  for (int v = 0; v < 4; ++v) total[v] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 even[4], odd[4];
+    for (int v = 0; v < 4; ++v) even[v] = odd[v] = _mm256_setzero_ps();
+    const int64_t k0 = g * w.group, k1 = k0 + w.group;
+    int64_t k = k0;
+    for (; k + 1 < k1; k += 2) {
+      const int8_t* bytes = w.q + k * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchInputs * kPanel), _MM_HINT_T0);
+      const __m256 xe = _mm256_broadcast_ss(x + k), xo = _mm256_broadcast_ss(x + k + 1);
+      for (int v = 0; v < 4; ++v) {
+        even[v] = _mm256_fmadd_ps(xe, widened(bytes + 8 * v), even[v]);
+        odd[v] = _mm256_fmadd_ps(xo, widened(bytes + kPanel + 8 * v), odd[v]);
+      }
+    }
+    if (k < k1) {  // an odd block size's last input
+      const __m256 xe = _mm256_broadcast_ss(x + k);
+      for (int v = 0; v < 4; ++v) even[v] = _mm256_fmadd_ps(xe, widened(w.q + k * kPanel + 8 * v), even[v]);
+    }
+    for (int v = 0; v < 4; ++v)
+      total[v] = _mm256_fmadd_ps(_mm256_loadu_ps(w.scales + g * kPanel + 8 * v), _mm256_add_ps(even[v], odd[v]),
+                                 total[v]);
+  }
+  for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + 8 * v, total[v]);
+}
+
 void tile_fast(int rows, const float* x, int64_t ldx, int64_t groups, const Q8Panel& w, float* out, int64_t ldo,
                int64_t cols, const float* bias) {
   float acc[kMaxRows][kPanel];
+  if (rows == 1) {
+    tile_avx2_one_row(x, groups, w, acc[0]);
+    return ascendserve_panel::store_rows(acc, 1, out, ldo, cols, bias);
+  }
   ascendserve_panel::in_row_blocks<ascendserve_panel::kAvx2Rows>(rows, [&](int m0, auto r) {
     tile_avx2<decltype(r)::value>(x + m0 * ldx, ldx, groups, w, acc + m0);
   });
