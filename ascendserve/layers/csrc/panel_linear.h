@@ -83,16 +83,6 @@ inline void store_rows(const float (*acc)[kPanel], int rows, float* out, int64_t
     for (int64_t j = 0; j < cols; ++j) out[m * ldo + j] = acc[m][j] + (bias ? bias[j] : 0.f);
 }
 
-// Whether the tiles were compiled for a SIMD instruction set (else only the portable loops, which are
-// slower than MKL's fp32 GEMM: the layers then keep their fp32 weights).
-inline bool simd_tiles() {
-#if defined(ASCENDSERVE_TILES_AVX512) || defined(ASCENDSERVE_TILES_AVX2)
-  return true;
-#else
-  return false;
-#endif
-}
-
 // fp32 lanes per register of the tiles: 16 (AVX-512), 8 (AVX2), 0 (portable loops only). Where the
 // kernels stop paying off against a dense GEMM depends on it (layers/quantization.py).
 inline int64_t tile_lanes() {
@@ -104,6 +94,10 @@ inline int64_t tile_lanes() {
   return 0;
 #endif
 }
+
+// Whether the tiles were compiled for a SIMD instruction set (else only the portable loops, which are
+// slower than MKL's fp32 GEMM: the layers then keep their fp32 weights).
+inline bool simd_tiles() { return tile_lanes() > 0; }
 
 #if defined(ASCENDSERVE_TILES_AVX2)
 constexpr int kAvx2Rows = 4;  // x rows per AVX2 register tile
