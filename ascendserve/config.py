@@ -19,6 +19,7 @@ def env_switch(name: str) -> bool | None:
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, applied after loading (layers/quantization.py)
+ACTIVATION_QUANTIZATION_METHODS = ("int8",)  # 4-bit-weight linears' activations (layers/linear.py, Q4Panels)
 
 
 @dataclass
@@ -48,6 +49,9 @@ class EngineArgs:
     served_model_name: str | list[str] | None = None
     hf_overrides: dict[str, Any] | None = None
     quantization: str | None = None  # None, "int8" or "int4": weight-only, quantized at load (not bit-exact)
+    # None or "int8": 4-bit-weight linears (a Q4_0 / Q4_1 GGUF's, --quantization int4's) round their input
+    # to int8 per 32 values and multiply with integer instructions (CPU; not bit-exact)
+    activation_quantization: str | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -70,6 +74,9 @@ class EngineArgs:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         _check_quantization(self.quantization)
+        if self.activation_quantization not in (None, *ACTIVATION_QUANTIZATION_METHODS):
+            raise ValueError(f"activation_quantization must be one of {[None, *ACTIVATION_QUANTIZATION_METHODS]}, "
+                             f"got {self.activation_quantization!r}")
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
         _check_positive("max_model_len", self.max_model_len)

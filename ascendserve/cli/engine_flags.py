@@ -2,7 +2,7 @@
 
 import argparse
 
-from ascendserve.config import QUANTIZATION_METHODS, EngineArgs
+from ascendserve.config import ACTIVATION_QUANTIZATION_METHODS, QUANTIZATION_METHODS, EngineArgs
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", "-q", default=None,
                         help=f"weight-only quantization applied at load, one of {list(QUANTIZATION_METHODS)} "
                              f"(not bit-exact)")
+    parser.add_argument("--activation-quantization", default=None, choices=list(ACTIVATION_QUANTIZATION_METHODS),
+                        help="int8: layers with 4-bit weights (a Q4_0 / Q4_1 GGUF, --quantization int4) round "
+                             "their input to int8 per 32 values and multiply with integer instructions, as "
+                             "llama.cpp does: about 2-3x the fp32 arithmetic rate on a CPU (prefill, large "
+                             "batches); not bit-exact")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

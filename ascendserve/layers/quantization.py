@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascendserve.layers.linear import KernelLinear, dense_linear, pack_q4, round_to_grid, tile_kernels
+from ascendserve.layers.linear import KernelLinear, Q4Panels, dense_linear, pack_q4, round_to_grid, tile_kernels
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -146,7 +146,7 @@ class WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}{group}"
 
 
-class GridInt4Linear(KernelLinear):
+class GridInt4Linear(Q4Panels, KernelLinear):
     """int4 for fp32 models on CPU: W ~= d * q + m per group of inputs, q in 0..15, fp32 d and m, fp32 compute.
 
     Asymmetric round-to-nearest per group (d = (max - min) / 15, m = min), like llama.cpp's Q4_1 but
@@ -180,9 +180,6 @@ class GridInt4Linear(KernelLinear):
         return (weight.dtype == torch.float32 and weight.device.type == "cpu" and linear.in_features % 32 == 0
                 and tile_kernels() is not None)
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q4_linear(x, self.q, self.scales, self.mins, self.out_features, self.bias)
-
     def _large(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.dequantize(), self.bias)
 
@@ -191,7 +188,8 @@ class GridInt4Linear(KernelLinear):
         return self.kernels.q4_unpack(self.q, self.scales, self.mins, self.out_features)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", group_size={self.group_size}, kernel up to {self.max_rows} rows"
+        rows = "" if self.int8_activations else f", kernel up to {self.max_rows} rows"
+        return super().extra_repr() + f", group_size={self.group_size}{rows}"
 
 
 def _unpack_int4(packed: torch.Tensor, n: int, k: int, block_n: int | None = None) -> torch.Tensor:
@@ -226,33 +224,41 @@ def _int4_block_n() -> int:
                 INT4_BLOCK_NS[0])
 
 
-def quantize_model_(model: nn.Module, method: str) -> dict[str, int]:
+def quantize_model_(model: nn.Module, method: str, int8_activations: bool = False) -> dict[str, int]:
     """Replace the model's nn.Linear layers by WeightOnlyLinear in place; returns counts and bytes.
 
     Layers whose shape the kernel cannot take (int4: out_features % 16 != 0, e.g. Qwen3.5's
-    in_proj_ba with few heads) stay dense. Call after the weights are loaded.
+    in_proj_ba with few heads) stay dense. int8_activations: GridInt4Linear layers multiply int8-rounded
+    activations (Q4Panels; counted as "int8_activations"). Call after the weights are loaded.
     """
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {list(METHODS)}, got {method!r}")
     before = _weight_bytes(model)
-    quantized = skipped = 0
+    quantized = skipped = a8 = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
             rows = LM_HEAD_KERNEL_MAX_ROWS if name == "lm_head" else None
             if method == "int4" and GridInt4Linear.supports(child):
-                setattr(parent, name, GridInt4Linear(child, tile_kernels(), rows))
+                layer = GridInt4Linear(child, tile_kernels(), rows)
+                if int8_activations:
+                    layer.use_int8_activations()
+                    a8 += 1
+                setattr(parent, name, layer)
                 quantized += 1
             elif WeightOnlyLinear.supports(child, method):
                 setattr(parent, name, WeightOnlyLinear(child, method, rows))
                 quantized += 1
             else:
                 skipped += 1
-    stats = {"quantized": quantized, "skipped": skipped, "bytes_before": before, "bytes_after": _weight_bytes(model)}
+    stats = {"quantized": quantized, "skipped": skipped, "bytes_before": before, "bytes_after": _weight_bytes(model),
+             "int8_activations": a8}
     logger.info("Weight-only %s quantization: %d linear layers quantized (%d left dense: shape not supported), "
                 "weights %.1f MiB -> %.1f MiB (not bit-exact)", method, quantized, skipped,
                 before / 2**20, stats["bytes_after"] / 2**20)
+    if a8:
+        logger.info("%d int4 layers multiply int8 activations (--activation-quantization int8)", a8)
     return stats
 
 

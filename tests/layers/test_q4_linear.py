@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ascendserve.layers import linear as linear_mod
-from ascendserve.layers.linear import Bf16Linear, Q4Linear, find_q4_grid, pack_q4, prepack_linears_
+from ascendserve.layers.linear import Q4_KERNEL_MAX_ROWS, Bf16Linear, Q4Linear, find_q4_grid, pack_q4, prepack_linears_
 from tests.layers.kernel_checks import (assert_fp32_product, assert_kernel_rows, assert_kernel_up_to_max_rows,
                                        fp32_layer_type)
 
@@ -104,3 +104,95 @@ def test_compact_weights_switch_keeps_fp32(monkeypatch):
     model = nn.Sequential(_grid_linear(64, 64, False))
     assert prepack_linears_(model)["q4"] == 0
     assert not isinstance(model[0], Q4Linear)
+
+
+# -- int8 activations (--activation-quantization int8): q4_a8_linear ---------------------------------------
+def _a8_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias) -> torch.Tensor:
+    """What the int8-activation kernel computes, in fp64 from the unpacked grid: each row of x rounded per
+    32 inputs to qx = round(x * 127 / max|x|) (half to even), the 4-bit values times qx, times d and that
+    block's max|x| / 127, plus m times the exact sum of x over the block."""
+    rows, k = x.shape
+    blocks = x.view(rows, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # 127.0 / amax as a true fp32 division, as the kernel does (torch's `127 / amax` multiplies by the
+    # reciprocal: an ulp off at times, enough to round a value at .5 the other way)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    qx = torch.round(blocks * inv).double()
+    dx = (amax / 127).double()
+    group = k // d.shape[1]
+    d_b, m_b = (t.double().repeat_interleave(group // 32, 1) for t in (d, m))  # [N, K/32]
+    isum = torch.einsum("rbi,nbi->rnb", qx, q.double().view(q.shape[0], k // 32, 32))
+    out = (isum * d_b[None] * dx.view(rows, 1, -1)).sum(-1) + blocks.double().sum(-1) @ m_b.t()
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("n,k,group", [(1, 32, 32), (37, 64, 32), (64, 576, 32), (200, 1536, 32), (70, 128, 64),
+                                       (40, 192, 96)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("op", ["q4_a8_linear", "q4_a8_linear_portable"])
+def test_a8_kernel_is_the_int8_product_of_the_rounded_input(kernels, n, k, group, bias, op):
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    d = torch.rand(n, k // group) * 0.01
+    m = -torch.rand(n, k // group) * 0.05
+    b = torch.randn(n) if bias else None
+    packed = pack_q4(q, d, m)
+    for rows in (1, 2, 3, 4, 5, 9, 64, 130):
+        x = torch.randn(rows, k) * torch.rand(rows, 1) * 4
+        x[0, :32] = 0  # a block of zeros: dx = 0, qx = 0
+        out = getattr(kernels, op)(x, *packed, n, b)
+        ref = _a8_reference(x, q, d, m, b)
+        # The integer block sums are exact; fp32 sums of the blocks' terms remain.
+        scale = (_a8_reference(x.abs(), q, d, m.abs(), None if b is None else b.abs())).clamp(min=1e-30)
+        assert out.shape == (rows, n) and ((out.double() - ref).abs() <= 1e-5 * scale).all(), (rows, op)
+
+
+def test_a8_kernel_is_close_to_the_fp32_product(kernels):
+    """Not bit-exact: rounding x to int8 moves each input by at most half a step, max |x| / 254 of its
+    block of 32, so the product moves by at most sum_k |w_k| * that (plus fp32 rounding)."""
+    layer = _grid_linear(96, 576, True)
+    packed = pack_q4(*find_q4_grid(layer.weight.detach()))
+    x = torch.randn(50, 576)
+    out = kernels.q4_a8_linear(x, *packed, 96, layer.bias).double()
+    ref = torch.nn.functional.linear(x.double(), layer.weight.double(), layer.bias.double())
+    half_steps = (x.view(50, -1, 32).abs().amax(-1, keepdim=True) / 254).expand(50, 18, 32).reshape(50, 576)
+    bound = torch.nn.functional.linear(half_steps.double(), layer.weight.double().abs())
+    scale = torch.nn.functional.linear(x.double().abs(), layer.weight.double().abs())
+    assert ((out - ref).abs() <= bound + 1e-5 * scale).all()
+    assert (out - ref).abs().max() > 1e-4 * scale.max()  # it does round (this is not the fp32 kernel)
+
+
+def test_a8_kernel_rejects_a_block_size_it_cannot_take(kernels):
+    q = torch.randint(0, 16, (32, 96), dtype=torch.uint8)
+    packed = pack_q4(q, torch.rand(32, 2), torch.rand(32, 2))  # blocks of 48 inputs
+    with pytest.raises(RuntimeError, match="block size 48 is not a multiple of 32"):
+        kernels.q4_a8_linear(torch.randn(2, 96), *packed, 32, None)
+    assert kernels.q4_a8_linear(torch.randn(0, 96), *pack_q4(q, torch.rand(32, 3), torch.rand(32, 3)), 32,
+                                None).shape == (0, 32)
+
+
+def test_int8_activations_take_every_batch(kernels, monkeypatch):
+    """With use_int8_activations() (what --activation-quantization int8 does) the layer multiplies every
+    batch size with the int8 kernel, the fp32 layer it wraps never."""
+    layer = _grid_linear(96, 576, True)
+    q4 = Q4Linear(layer, find_q4_grid(layer.weight.detach()), kernels)
+    q4.use_int8_activations()
+    monkeypatch.setattr(layer, "forward", lambda x: pytest.fail("the fp32 layer ran"))
+    for rows in (1, 7, Q4_KERNEL_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 576)
+        assert torch.equal(q4(x), kernels.q4_a8_linear(x, q4.q, q4.scales, q4.mins, 96, layer.bias))
+    x = torch.randn(2, 3, 576)
+    assert torch.equal(q4(x), kernels.q4_a8_linear(x.reshape(6, 576), q4.q, q4.scales, q4.mins, 96,
+                                                   layer.bias).reshape(2, 3, 96))
+    assert "int8 activations" in repr(q4)
+
+
+def test_prepack_with_int8_activations_counts_the_4bit_layers(kernels):
+    model = nn.Module()
+    model.grid = _grid_linear(64, 64, True)
+    model.fp32 = nn.Linear(64, 64)
+    stats = prepack_linears_(model, int8_activations=True)
+    assert stats["int8_activations"] == 1 and model.grid.int8_activations
+    assert not isinstance(model.fp32, Q4Linear)
+    plain = nn.Module()
+    plain.grid = _grid_linear(64, 64, True)
+    assert prepack_linears_(plain)["int8_activations"] == 0 and not plain.grid.int8_activations

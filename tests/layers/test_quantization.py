@@ -159,8 +159,11 @@ def _qwen3_5(path):
 
 
 def _drift(path: str, method: str, prompts, reference) -> list[float]:
-    """|logprob| change of each reference token, teacher-forced (the reference's own prefix each step)."""
-    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", quantization=method)
+    """|logprob| change of each reference token, teacher-forced (the reference's own prefix each step).
+    method "int4+a8": --quantization int4 --activation-quantization int8."""
+    weights, _, activations = method.partition("+a")
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", quantization=weights,
+              activation_quantization="int" + activations if activations else None)
     requests, targets = [], []
     for prompt, (tokens, _) in zip(prompts, reference):
         for i in range(MAX_NEW):
@@ -190,7 +193,8 @@ def drift(request, tmp_path_factory):
                                                                           o.outputs[0].token_ids)])
                  for o in outputs]
     del llm
-    return {method: _drift(path, method, prompts, reference) for method in ("int8", "int4")}
+    methods = ("int8", "int4", "int4+a8") if tile_kernels() is not None else ("int8", "int4")
+    return {method: _drift(path, method, prompts, reference) for method in methods}
 
 
 def test_int8_drift_is_small_and_int4_bounded(drift):
@@ -202,6 +206,15 @@ def test_int8_drift_is_small_and_int4_bounded(drift):
     assert stats["int8"][0] < 0.04 and stats["int8"][1] < 0.15
     assert stats["int4"][0] < 0.3 and stats["int4"][1] < 1.5
     assert stats["int8"][0] < stats["int4"][0]
+
+
+def test_int8_activations_add_little_to_int4_drift(drift):
+    """--activation-quantization int8 on top of --quantization int4 (GridInt4Linear on the CPU kernels)."""
+    if "int4+a8" not in drift:
+        pytest.skip("no CPU kernels with SIMD tiles here: int4 runs on torch's kernel, int8 activations do not apply")
+    int4, a8 = (sum(drift[m]) / len(drift[m]) for m in ("int4", "int4+a8"))
+    print(f"logprob drift, mean: int4 {int4:.3f}, int4 + int8 activations {a8:.3f}, max {max(drift['int4+a8']):.3f}")
+    assert a8 < 1.3 * int4 and max(drift["int4+a8"]) < 1.5
 
 
 # -- configuration and CLI ----------------------------------------------------------------------------
@@ -219,3 +232,25 @@ def test_serve_quantization_int8_is_effective_and_does_not_warn():
     assert warn_no_effect_flags(ns) == [] and ns.quantization == "int8"
     ns = build_parser().parse_args(["serve", "--quantization", "ascend"])  # a checkpoint method: inert
     assert warn_no_effect_flags(ns) == ["--quantization"] and ns.quantization is None
+
+
+@pytest.mark.parametrize("value", ["int4", "fp8", 8])
+def test_bad_activation_quantization_is_a_value_error_naming_the_field(value):
+    with pytest.raises(ValueError, match="activation_quantization must be one of \\[None, 'int8'\\]"):
+        EngineArgs.from_kwargs(activation_quantization=value)
+
+
+def test_serve_activation_quantization_flag(capsys):
+    from ascendserve.cli.engine_flags import engine_args_from
+    ns = build_parser().parse_args(["serve", "--quantization", "int4", "--activation-quantization", "int8"])
+    assert warn_no_effect_flags(ns) == [] and engine_args_from(ns).activation_quantization == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--activation-quantization", "fp8"])
+    assert "--activation-quantization: invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_int8_activations_without_4bit_layers_warn(tmp_path, caplog):
+    _llama(str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", activation_quantization="int8")
+    assert "--activation-quantization int8 has no effect" in caplog.text
