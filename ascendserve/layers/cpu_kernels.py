@@ -2,7 +2,8 @@
 
 Only what plain torch cannot do without extra memory traffic lives here: paged decode attention
 (csrc/paged_decode_cpu.cpp), the linears that keep bf16, 4-bit or 8-bit weights and compute in fp32
-(csrc/bf16_linear_cpu.cpp, csrc/q4_linear_cpu.cpp, csrc/q8_linear_cpu.cpp), the Gated DeltaNet decode
+(csrc/bf16_linear_cpu.cpp, csrc/q4_linear_cpu.cpp, csrc/q8_linear_cpu.cpp; the 4-bit one also with int8
+activations, `--activation-quantization int8`), the Gated DeltaNet decode
 step and prefill, each in one op (csrc/gdn_decode_cpu.cpp, csrc/gdn_prefill_cpu.cpp), the gated MLP's
 silu(gate) * up in one pass (csrc/silu_and_mul_cpu.cpp), RMSNorm in one pass per row
 (csrc/rms_norm_cpu.cpp), the rotary embedding in one pass (csrc/rope_cpu.cpp), and greedy sampling's

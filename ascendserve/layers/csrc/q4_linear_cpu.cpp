@@ -330,7 +330,17 @@ void quantize_rows(const float* x, int64_t m_rows, int64_t k, int8_t* qx, float*
   });
 }
 
-// The panel's nibbles as bytes, [K/4][32 outputs][4 inputs] (what the tile multiplies by).
+// The panel's nibbles as bytes, [K/4][32 outputs][4 inputs] (what the tile multiplies by): plain C++.
+void unpack_panel_a8_portable(const uint8_t* q, int64_t k, uint8_t* w8) {
+  for (int64_t kp = 0; kp < k / 2; ++kp)
+    for (int64_t j = 0; j < kPanel; ++j) {
+      uint8_t* dst = w8 + (kp / 2) * 4 * kPanel + j * 4 + (kp % 2) * 2;
+      dst[0] = q[kp * kPanel + j] & 15;
+      dst[1] = q[kp * kPanel + j] >> 4;
+    }
+}
+
+// The same with AVX2 shuffles where the build has them.
 void unpack_panel_a8(const uint8_t* q, int64_t k, uint8_t* w8) {
 #if defined(__AVX2__)
   const __m256i nibble = _mm256_set1_epi8(15);
@@ -352,12 +362,7 @@ void unpack_panel_a8(const uint8_t* q, int64_t k, uint8_t* w8) {
     _mm256_storeu_si256(dst + 3, _mm256_permute2x128_si256(c2, c3, 0x31));
   }
 #else
-  for (int64_t kp = 0; kp < k / 2; ++kp)
-    for (int64_t j = 0; j < kPanel; ++j) {
-      uint8_t* dst = w8 + (kp / 2) * 4 * kPanel + j * 4 + (kp % 2) * 2;
-      dst[0] = q[kp * kPanel + j] & 15;
-      dst[1] = q[kp * kPanel + j] >> 4;
-    }
+  unpack_panel_a8_portable(q, k, w8);
 #endif
 }
 
@@ -453,7 +458,7 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     std::vector<uint8_t> w8(k * kPanel);
     for (int64_t p = p_begin; p < p_end; ++p) {
-      unpack_panel_a8(q_ptr + p * (k / 2) * kPanel, k, w8.data());
+      (portable ? unpack_panel_a8_portable : unpack_panel_a8)(q_ptr + p * (k / 2) * kPanel, k, w8.data());
       const float* d = d_ptr + p * (k / group) * kPanel;
       const float* mn = m_ptr + p * (k / group) * kPanel;
       const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
