@@ -170,14 +170,16 @@ def test_a8_kernel_rejects_a_block_size_it_cannot_take(kernels):
                                 None).shape == (0, 32)
 
 
-def test_int8_activations_take_every_batch(kernels, monkeypatch):
-    """With use_int8_activations() (what --activation-quantization int8 does) the layer multiplies every
-    batch size with the int8 kernel, the fp32 layer it wraps never."""
+def test_int8_activations_take_every_batch_of_two_rows_or_more(kernels, monkeypatch):
+    """With use_int8_activations() (what --activation-quantization int8 does) the layer multiplies batches
+    of 2 rows or more with the int8 kernel, one row with the fp32 one, the fp32 layer it wraps never."""
     layer = _grid_linear(96, 576, True)
     q4 = Q4Linear(layer, find_q4_grid(layer.weight.detach()), kernels)
     q4.use_int8_activations()
     monkeypatch.setattr(layer, "forward", lambda x: pytest.fail("the fp32 layer ran"))
-    for rows in (1, 7, Q4_KERNEL_MAX_ROWS + 1, 300):
+    x = torch.randn(1, 576)
+    assert torch.equal(q4(x), kernels.q4_linear(x, q4.q, q4.scales, q4.mins, 96, layer.bias))
+    for rows in (2, 7, Q4_KERNEL_MAX_ROWS + 1, 300):
         x = torch.randn(rows, 576)
         assert torch.equal(q4(x), kernels.q4_a8_linear(x, q4.q, q4.scales, q4.mins, 96, layer.bias))
     x = torch.randn(2, 3, 576)

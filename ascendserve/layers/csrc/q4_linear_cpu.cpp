@@ -345,6 +345,7 @@ void unpack_panel_a8(const uint8_t* q, int64_t k, uint8_t* w8) {
 #if defined(__AVX2__)
   const __m256i nibble = _mm256_set1_epi8(15);
   for (int64_t s = 0; s < k / 4; ++s) {
+    _mm_prefetch(reinterpret_cast<const char*>(q + (2 * s + kPrefetchPairs) * kPanel), _MM_HINT_T0);
     const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * s * kPanel));
     const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (2 * s + 1) * kPanel));
     const __m256i lo0 = _mm256_and_si256(l0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble);
