@@ -34,8 +34,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-quantization", default=None, choices=list(ACTIVATION_QUANTIZATION_METHODS),
                         help="int8: layers with 4-bit weights (a Q4_0 / Q4_1 GGUF, --quantization int4) round "
                              "their input to int8 per 32 values and multiply with integer instructions, as "
-                             "llama.cpp does: about 2-3x the fp32 arithmetic rate on a CPU (prefill, large "
-                             "batches); not bit-exact")
+                             "llama.cpp does: about twice the fp32 arithmetic rate on a CPU (prefill, batches "
+                             "of 2+ rows); not bit-exact")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

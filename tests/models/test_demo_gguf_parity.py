@@ -56,7 +56,8 @@ def test_demo_with_int8_activations_stays_close_to_the_fp32_engine(demo_path):
     a8 = LLM(None, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512,
              activation_quantization="int8")
     model = a8.llm_engine.runner.model
-    layers = [m for name, m in model.named_modules() if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
+    layers = [m for name, m in model.named_modules()
+              if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
     assert layers and all(type(m).__name__ == "Q4Linear" and m.int8_activations for m in layers)
     requests, targets = [], []
     for ids, out in zip(prompt_ids, reference):
