@@ -9,7 +9,8 @@ silu(gate) * up in one pass (csrc/silu_and_mul_cpu.cpp), RMSNorm in one pass per
 (csrc/rms_norm_cpu.cpp), the rotary embedding in one pass (csrc/rope_cpu.cpp), and greedy sampling's
 argmax (csrc/argmax_cpu.cpp).
 The build needs a C++ compiler (g++) and ninja; it is cached under TORCH_EXTENSIONS_DIR (default
-~/.cache/torch_extensions), so only the first process pays for it (about 30 s). Without a compiler,
+~/.cache/torch_extensions), so only the first process pays for it (about 30 s; a lock a killed build
+left behind is removed once it is older than STALE_LOCK_SECONDS). Without a compiler,
 or with ASCENDSERVE_CPU_KERNELS=0, `ops()` returns None and the layers keep their plain-torch path
 (attention gathers K/V; bf16 / 4-bit / 8-bit-valued weights stay fp32; Gated DeltaNet, the gated MLP
 activation, RMSNorm and rotary run as several torch ops; greedy rows use torch.argmax), after one warning
@@ -33,6 +34,7 @@ logger = init_logger(__name__)
 _SOURCES = ["paged_decode_cpu.cpp", "bf16_linear_cpu.cpp", "q4_linear_cpu.cpp", "q8_linear_cpu.cpp",
             "gdn_decode_cpu.cpp", "gdn_prefill_cpu.cpp", "silu_and_mul_cpu.cpp", "rms_norm_cpu.cpp", "rope_cpu.cpp",
             "argmax_cpu.cpp"]
+STALE_LOCK_SECONDS = 900  # a build takes ~30 s to ~3 min; a lock older than this is left by a killed build
 _lock = threading.Lock()
 _state: dict = {}  # "ops": the loaded op namespace or None once a load was tried
 
@@ -67,8 +69,13 @@ def _load():
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     here = os.path.join(os.path.dirname(__file__), "csrc")
     start = time.perf_counter()
+    name = f"ascendserve_cpu_kernels_{_build_tag(here)}"
     try:
-        cpp_extension.load(name=f"ascendserve_cpu_kernels_{_build_tag(here)}",
+        clear_stale_build_lock(cpp_extension._get_build_directory(name, verbose=False))
+    except AttributeError:  # a torch without the helper: its builder waits on a lock as before
+        pass
+    try:
+        cpp_extension.load(name=name,
                            sources=[os.path.join(here, s) for s in _SOURCES],
                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
@@ -81,6 +88,28 @@ def _load():
     logger.info("CPU kernels (paged decode attention, bf16, 4-bit and 8-bit weight linears, Gated DeltaNet, "
                 "SiLU-and-mul, RMSNorm, rotary, argmax) ready in %.1f s", time.perf_counter() - start)
     return torch.ops.ascendserve_cpu
+
+
+def clear_stale_build_lock(build_dir: str, max_age_s: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove torch's build lock in build_dir when it is older than any build takes; whether it did.
+
+    A process killed while it builds the kernels (e.g. a server stopped during its first start) leaves
+    the lock file behind, and torch's builder then waits on it forever in every later process, silently.
+    """
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return False
+    if age <= max_age_s:
+        return False  # another process may be building right now
+    logger.warning("Removing a stale CPU-kernel build lock (%s, %.0f min old): an earlier build was interrupted",
+                   lock, age / 60)
+    try:
+        os.remove(lock)
+    except OSError:
+        return False
+    return True
 
 
 def _build_tag(csrc: str) -> str:
