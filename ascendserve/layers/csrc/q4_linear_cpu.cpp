@@ -219,13 +219,20 @@ int64_t check_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tens
   return group;
 }
 
+// The weight's block size G, after checking the pack and that x is a contiguous fp32 [M, K] matching it.
+int64_t check_inputs(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
+                     int64_t n, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+              ": x must be a contiguous fp32 [M, K] tensor");
+  const int64_t group = check_pack(q, scales, mins, n, op);
+  TORCH_CHECK(x.size(1) == 2 * q.size(1), op, ": x has ", x.size(1), " columns, the weight ", 2 * q.size(1));
+  return group;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
                   int64_t n, const c10::optional<at::Tensor>& bias, bool portable) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "q4_linear: x must be a contiguous fp32 [M, K] tensor");
-  const int64_t group = check_pack(q, scales, mins, n, "q4_linear");
+  const int64_t group = check_inputs(x, q, scales, mins, n, "q4_linear");
   const int64_t m_rows = x.size(0), k = x.size(1), panels = q.size(0), groups = scales.size(1);
-  TORCH_CHECK(k == 2 * q.size(1), "q4_linear: x has ", k, " columns, the weight ", 2 * q.size(1));
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "q4_linear");
   at::Tensor out = at::empty({m_rows, n}, x.options());
   if (m_rows == 0) return out;
@@ -439,11 +446,8 @@ void tile_a8_avx2(const A8Rows& x, const uint8_t* w8, const float* d, const floa
 
 at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
                      int64_t n, const c10::optional<at::Tensor>& bias, bool portable) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "q4_a8_linear: x must be a contiguous fp32 [M, K] tensor");
-  const int64_t group = check_pack(q, scales, mins, n, "q4_a8_linear");
+  const int64_t group = check_inputs(x, q, scales, mins, n, "q4_a8_linear");
   const int64_t m_rows = x.size(0), k = x.size(1), panels = q.size(0);
-  TORCH_CHECK(k == 2 * q.size(1), "q4_a8_linear: x has ", k, " columns, the weight ", 2 * q.size(1));
   TORCH_CHECK(group % kActBlock == 0, "q4_a8_linear: the weight's block size ", group, " is not a multiple of 32");
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "q4_a8_linear");
   at::Tensor out = at::empty({m_rows, n}, x.options());
