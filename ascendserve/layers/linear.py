@@ -292,6 +292,9 @@ class Q4Panels:
         self.max_rows = 1 << 62  # the kernels for every batch
         self.weight_format = f"{self.weight_format}, int8 activations per 32 inputs from 2 rows"
 
+    def q4_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.mins))
+
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         op = self.kernels.q4_a8_linear if self.int8_activations and x.shape[0] > 1 else self.kernels.q4_linear
         return op(x, self.q, self.scales, self.mins, self.out_features, self.bias)
@@ -319,6 +322,21 @@ class Q4Linear(Q4Panels, GridLinear):
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("mins", mins, persistent=False)
+
+    def use_int8_activations(self) -> None:
+        self.weight_format = f"4-bit grid per {Q4_GROUP} inputs"
+        super().use_int8_activations()
+        # Every batch now runs the 4-bit kernels, so of the fp32 layer only its bias is read: its weight
+        # (8x the 4-bit copy, the demo's 0.4 GB) and any MKL pack of it would be memory for nothing.
+        self.dense = BiasOnly(self.dense.bias)
+
+
+class BiasOnly(nn.Module):
+    """What a GridLinear keeps of its fp32 layer once its kernels take every batch: the bias."""
+
+    def __init__(self, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.bias = bias
 
 
 class Q8Linear(GridLinear):
@@ -480,6 +498,16 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
                     stats["bf16_bytes"] += layer.packed.numel() * 2
                     setattr(parent, name, layer)
                     continue
+                kernels = tile_kernels() if compact else None
+                grid4 = find_q4_grid(child.weight.detach()) if kernels is not None else None
+                if grid4 is not None and int8_activations:  # the kernels take every batch: no fp32 layer
+                    layer = Q4Linear(child, grid4, kernels)
+                    layer.use_int8_activations()
+                    stats["int8_activations"] += 1
+                    stats["q4"] += 1
+                    stats["q4_bytes"] += layer.q4_bytes()
+                    setattr(parent, name, layer)
+                    continue
                 layer = child
                 if onednn_gemm_faster():  # probed once: here, or at a bf16 layer's first large batch
                     layer = DenseLinear(child)
@@ -492,14 +520,10 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
                     stats["padded"] += not layer.any_rows
                     stats["weight_bytes"] += child.weight.numel() * child.weight.element_size()
                     stats["pack_bytes"] += layer.pack_bytes()
-                kernels = tile_kernels() if compact else None
-                if kernels is not None and (grid := find_q4_grid(child.weight.detach())) is not None:
-                    layer = Q4Linear(layer, grid, kernels)
-                    if int8_activations:
-                        layer.use_int8_activations()
-                        stats["int8_activations"] += 1
+                if grid4 is not None:
+                    layer = Q4Linear(layer, grid4, kernels)
                     stats["q4"] += 1
-                    stats["q4_bytes"] += sum(t.numel() * t.element_size() for t in (layer.q, layer.scales, layer.mins))
+                    stats["q4_bytes"] += layer.q4_bytes()
                 elif kernels is not None and (grid := find_q8_grid(child.weight.detach())) is not None:
                     layer = Q8Linear(layer, grid, kernels)
                     stats["q8"] += 1
@@ -510,14 +534,16 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
         logger.info("%d fp32 linear layers hold bf16 values (a bf16 checkpoint): kept as bf16 (%.1f MiB, half "
                     "the fp32 size) and multiplied in fp32 by the CPU kernel; %s=0 keeps them fp32",
                     stats["bf16"], stats["bf16_bytes"] / 2**20, COMPACT_ENV_VAR)
-    if stats["q4"]:
+    if stats["int8_activations"]:
+        logger.info("%d fp32 linear layers hold a 4-bit grid per %d inputs (a Q4_0 / Q4_1 GGUF): kept as 4-bit "
+                    "only (%.1f MiB, the fp32 weights released), multiplied with int8 activations in batches of "
+                    "2 rows or more (--activation-quantization int8, not bit-exact), in fp32 at one row",
+                    stats["q4"], Q4_GROUP, stats["q4_bytes"] / 2**20)
+    elif stats["q4"]:
         logger.info("%d fp32 linear layers hold a 4-bit grid per %d inputs (a Q4_0 / Q4_1 GGUF): also kept as "
                     "4-bit (%.1f MiB more) for batches of up to %d rows, multiplied in fp32 by the CPU kernel; "
                     "%s=0 turns this off", stats["q4"], Q4_GROUP, stats["q4_bytes"] / 2**20, Q4_KERNEL_MAX_ROWS,
                     COMPACT_ENV_VAR)
-    if stats["int8_activations"]:
-        logger.info("%d 4-bit linear layers multiply int8 activations (--activation-quantization int8, "
-                    "not bit-exact) in batches of 2 rows or more", stats["int8_activations"])
     if stats["q8"]:
         logger.info("%d fp32 linear layers hold an 8-bit grid per %d inputs (Q8_0 GGUF tensors): also kept as "
                     "8-bit (%.1f MiB more) for batches of up to %d rows, multiplied in fp32 by the CPU kernel; "

@@ -185,7 +185,10 @@ def test_int8_activations_take_every_batch_of_two_rows_or_more(kernels, monkeypa
     x = torch.randn(2, 3, 576)
     assert torch.equal(q4(x), kernels.q4_a8_linear(x.reshape(6, 576), q4.q, q4.scales, q4.mins, 96,
                                                    layer.bias).reshape(2, 3, 96))
-    assert "int8 activations" in repr(q4)
+    assert "int8 activations" in repr(q4) and "fp32 above" not in repr(q4)
+    # the fp32 weight is no longer read, so the layer lets go of it and keeps the bias
+    assert not hasattr(q4.dense, "weight") and q4.bias is layer.bias
+    assert [name for name, _ in q4.named_parameters()] == ["dense.bias"]
 
 
 def test_prepack_with_int8_activations_counts_the_4bit_layers(kernels):
@@ -195,6 +198,10 @@ def test_prepack_with_int8_activations_counts_the_4bit_layers(kernels):
     stats = prepack_linears_(model, int8_activations=True)
     assert stats["int8_activations"] == 1 and model.grid.int8_activations
     assert not isinstance(model.fp32, Q4Linear)
+    # no fp32 layer (nor an MKL pack) is made for the 4-bit one: only the plain fp32 layer is counted
+    assert not hasattr(model.grid.dense, "weight") and stats["q4"] == 1
+    assert type(model.fp32) is fp32_layer_type()
+    assert stats["packed"] + stats["onednn"] == (fp32_layer_type() is not nn.Linear)
     plain = nn.Module()
     plain.grid = _grid_linear(64, 64, True)
     assert prepack_linears_(plain)["int8_activations"] == 0 and not plain.grid.int8_activations
