@@ -244,7 +244,7 @@ class Bf16Linear(KernelLinear):
         """fp32 on CPU, in_features even, and every weight value exactly representable in bf16."""
         weight = linear.weight
         return (weight.dtype == torch.float32 and weight.device.type == "cpu" and linear.in_features % 2 == 0
-                and not (weight.detach().view(torch.int32) & 0xFFFF).any())
+                and bf16_valued(weight))
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.bf16_linear(x, self.packed, self.out_features, self.bias)
@@ -359,6 +359,58 @@ class Q8Linear(GridLinear):
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.q8_linear(x, self.q, self.scales, self.out_features, self.bias)
+
+
+def bf16_valued(weight: torch.Tensor, rows_per_pass: int = 4096) -> bool:
+    """Whether every value of an fp32 tensor is exactly a bf16 (its low 16 bits zero), a pass over
+    rows_per_pass rows at a time (a 248k-token embedding would otherwise need a 1 GB temporary)."""
+    flat = weight.detach().reshape(weight.shape[0], -1) if weight.dim() else weight.detach().reshape(1, 1)
+    return not any((flat[start:start + rows_per_pass].view(torch.int32) & 0xFFFF).any()
+                   for start in range(0, flat.shape[0], rows_per_pass))
+
+
+class Bf16Embedding(nn.Module):
+    """An fp32 CPU token embedding whose values are all bf16 (a bf16 checkpoint run in fp32), held as bf16:
+    half the memory, and the rows it looks up widen back to the same fp32 values."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.register_buffer("weight", embedding.weight.detach().bfloat16(), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight).float()
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, weight=bf16 (fp32 out)"
+
+
+def compact_embeddings_(model: nn.Module) -> int:
+    """Replace the model's fp32 CPU nn.Embedding layers whose values are all bf16 by Bf16Embedding, in place,
+    where no other layer holds the same weight (a tied lm_head that stayed fp32 would keep it alive, and the
+    bf16 copy would add memory); returns the bytes freed. Qwen3.5-0.8B's 248320 x 1024 table, tied to an
+    lm_head that prepack_linears_ keeps as bf16 panels (or --quantization int4 as 4-bit): 1017 -> 509 MB.
+    A no-op where ASCENDSERVE_COMPACT_WEIGHTS=0. Call after prepack_linears_ / quantize_model_."""
+    if env_switch(COMPACT_ENV_VAR) is False:
+        return 0
+    embeddings = [(parent, name, child) for parent in list(model.modules())
+                  for name, child in parent.named_children() if type(child) is nn.Embedding]
+    tables = {child.weight.data_ptr() for _, _, child in embeddings}
+    held_elsewhere = {t.data_ptr() for module in model.modules() if type(module) is not nn.Embedding
+                      for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]} & tables
+    freed = 0
+    with torch.no_grad():
+        for parent, name, child in embeddings:
+            weight = child.weight
+            if (weight.dtype != torch.float32 or weight.device.type != "cpu" or child.max_norm is not None
+                    or weight.data_ptr() in held_elsewhere or not bf16_valued(weight)):
+                continue
+            setattr(parent, name, Bf16Embedding(child))
+            freed += weight.numel() * 2
+    if freed:
+        logger.info("The token embedding holds bf16 values (a bf16 checkpoint): kept as bf16 (%.1f MiB freed); "
+                    "%s=0 keeps it fp32", freed / 2**20, COMPACT_ENV_VAR)
+    return freed
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:

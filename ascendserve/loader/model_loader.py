@@ -185,6 +185,8 @@ def build_model(config: EngineConfig) -> torch.nn.Module:
         logger.warning("--activation-quantization int8 has no effect: the model has no 4-bit-weight linears on "
                        "this device (a Q4_0 / Q4_1 GGUF, or --quantization int4, on a CPU where the kernels build)")
     if config.device.type == "cpu":
+        from ascendserve.layers.linear import compact_embeddings_
+        compact_embeddings_(model)
         from ascendserve.layers import cpu_kernels
         cpu_kernels.ops()  # build or load the C++ kernels now, not inside the first request
     if not config.args.enforce_eager:

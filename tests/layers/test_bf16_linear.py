@@ -8,7 +8,8 @@ from torch import nn
 
 from ascendserve.layers import cpu_kernels
 from ascendserve.layers import linear as linear_mod
-from ascendserve.layers.linear import Bf16Linear, pack_bf16, prepack_linears_
+from ascendserve.layers.linear import (Bf16Embedding, Bf16Linear, bf16_valued, compact_embeddings_, pack_bf16,
+                                      prepack_linears_)
 from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows, fp32_layer_type
 
 
@@ -109,6 +110,41 @@ def test_prepack_keeps_bf16_valued_weights_as_bf16(kernels, caplog):
     reference = nn.Linear(32, 100, bias=False)
     reference.weight = nn.Parameter(embedding)
     assert_fp32_product(model.lm_head(x), x, reference)
+
+
+def test_tied_embedding_becomes_bf16_once_the_lm_head_no_longer_holds_it(kernels, caplog):
+    model = _TiedLM()
+    fp32_table = model.embed_tokens.weight.detach().clone()
+    assert compact_embeddings_(model) == 0  # the fp32 lm_head still reads the same tensor: nothing freed
+    assert type(model.embed_tokens) is nn.Embedding
+    prepack_linears_(model)  # the lm_head becomes bf16 panels of its own
+    with caplog.at_level(logging.INFO):
+        assert compact_embeddings_(model) == 100 * 32 * 2
+    assert isinstance(model.embed_tokens, Bf16Embedding) and model.embed_tokens.weight.dtype == torch.bfloat16
+    assert "kept as bf16" in caplog.text
+    ids = torch.tensor([[0, 5, 99], [7, 7, 1]])
+    out = model.embed_tokens(ids)
+    assert out.dtype == torch.float32 and torch.equal(out, fp32_table[ids])  # the same fp32 values
+    assert [name for name, _ in model.embed_tokens.named_buffers()] == ["weight"]
+
+
+def test_embedding_with_values_off_the_bf16_grid_or_switched_off_stays_fp32(monkeypatch):
+    model = nn.Module()
+    model.embed_tokens = nn.Embedding(100, 32)  # fp32 values
+    assert compact_embeddings_(model) == 0 and type(model.embed_tokens) is nn.Embedding
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(model.embed_tokens.weight.bfloat16().float())
+    monkeypatch.setenv(linear_mod.COMPACT_ENV_VAR, "0")
+    assert compact_embeddings_(model) == 0 and type(model.embed_tokens) is nn.Embedding
+    monkeypatch.delenv(linear_mod.COMPACT_ENV_VAR)
+    assert compact_embeddings_(model) > 0 and isinstance(model.embed_tokens, Bf16Embedding)
+
+
+def test_bf16_valued_checks_every_row_pass():
+    weight = torch.randn(10, 6).bfloat16().float()
+    assert bf16_valued(weight, rows_per_pass=3)
+    weight[9, 5] = 1.0 + 2.0 ** -20  # not a bf16, only in the last, partial pass
+    assert not bf16_valued(weight, rows_per_pass=3) and not bf16_valued(weight)
 
 
 @pytest.mark.parametrize("env", [linear_mod.COMPACT_ENV_VAR, "ASCENDSERVE_CPU_KERNELS"])

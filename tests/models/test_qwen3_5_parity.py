@@ -23,7 +23,7 @@ from ascendserve import LLM, SamplingParams
 from ascendserve.config import EngineArgs
 from ascendserve.engine.llm_engine import LLMEngine
 from ascendserve.layers import cpu_kernels
-from ascendserve.layers.linear import Bf16Linear, DenseLinear, PackedLinear
+from ascendserve.layers.linear import Bf16Embedding, Bf16Linear, DenseLinear, PackedLinear
 from ascendserve.layers.mrope import MRotaryEmbedding, interleaved_axis_of_slots
 from ascendserve.worker.kv_budget import KVCacheTooSmallError
 from ascendserve.worker.model_runner import build_state_metadata
@@ -144,6 +144,7 @@ def test_bf16_checkpoint_runs_in_fp32_from_bf16_weights(checkpoints, budget):
     model = llm.llm_engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, (nn.Linear, Bf16Linear, DenseLinear, PackedLinear))]
     assert linears and all(isinstance(m, Bf16Linear) for m in linears), {type(m).__name__ for m in linears}
+    assert isinstance(model.model.embed_tokens, Bf16Embedding)  # tied: the lm_head's fp32 copy is gone too
     check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
     _assert_clean(llm.llm_engine)
 
