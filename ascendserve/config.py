@@ -19,7 +19,7 @@ def env_switch(name: str) -> bool | None:
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, applied after loading (layers/quantization.py)
-ACTIVATION_QUANTIZATION_METHODS = ("int8",)  # 4-bit-weight linears' activations (layers/linear.py, Q4Panels)
+ACTIVATION_QUANTIZATION_METHODS = ("int8",)  # 4-bit-weight linears' activations (layers/compact_linear.py, Q4Panels)
 
 
 @dataclass

@@ -314,7 +314,7 @@ def _ascendserve(ns, model: Model, params: int, fast_bf16: bool, ctx: int, extra
         nbytes = params * {"int8": 1, "int4": 0.625 if dtype == "float32" else 0.5625}[weights]
     elif dtype == "float32" and env.get("ASCENDSERVE_COMPACT_WEIGHTS", "1").lower() not in ("0", "off", "false", "no"):
         if _checkpoint_dtype(model.ascendserve_path) == "bfloat16":
-            weights, nbytes = "bf16 weights, fp32 compute", params * 2  # layers/linear.py Bf16Linear
+            weights, nbytes = "bf16 weights, fp32 compute", params * 2  # layers/compact_linear.py Bf16Linear
         elif model.ascendserve_path.suffix == ".gguf":  # Q4 / Q8_0 layers read their grid at small batches
             weights, nbytes = "4/8-bit grids (Q4 / Q8_0), fp32 rest", gguf_grid_decode_bytes(model.ascendserve_path)
     argv = [Path(sys.executable).with_name("ascendserve"), "serve", model.ascendserve_path, "--served-model-name",

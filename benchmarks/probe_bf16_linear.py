@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ascendserve.layers import cpu_kernels
-from ascendserve.layers.linear import pack_bf16
+from ascendserve.layers.compact_linear import pack_bf16
 from probe_packed_linear import SHAPES  # this directory is on sys.path when run as a script
 
 MKL_MAX_ROWS = 128

@@ -31,7 +31,7 @@ The output always has the input's (model) dtype.
 int4 on a CPU with the C++ kernels (AVX-512 or AVX2 tiles), fp32 model (what `--dtype auto` picks without native
 bf16): `GridInt4Linear` instead, W ~= d * q + m per group of GRID_GROUP inputs with fp32 d and m, kept
 in the 4-bit panel layout of csrc/q4_linear_cpu.cpp (the kernel a Q4_0 / Q4_1 GGUF's layers use,
-layers/linear.py) and multiplied in fp32: no bf16 rounding of the activations, and every layer
+layers/compact_linear.py) and multiplied in fp32: no bf16 rounding of the activations, and every layer
 shape fits (N is padded to the 32-row panel, so Qwen3.5's in_proj_ba is quantized too).
 0.625 bytes a weight (0.5 for q, 0.125 for d and m); llama.cpp's Q4_0 is 0.5625. Batches of up to
 GRID_KERNEL_MAX_ROWS rows use the kernel, larger ones the weight dequantized for the call + the dense
@@ -44,10 +44,10 @@ rows 7.0-15.5 vs 9.0-22.3, 96 rows 10.1-22.3 vs 10.5-20.6, 128 rows 13.8-29.7 vs
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ascendserve.layers.linear import KernelLinear, Q4Panels, dense_linear, pack_q4, round_to_grid, tile_kernels
+from ascendserve.layers.compact_linear import KernelLinear, Q4Panels, pack_q4, round_to_grid, tile_kernels
+from ascendserve.layers.linear import dense_linear
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)

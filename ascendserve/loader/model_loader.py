@@ -179,13 +179,13 @@ def build_model(config: EngineConfig) -> torch.nn.Module:
         from ascendserve.layers.quantization import quantize_model_
         stats = quantize_model_(model, config.args.quantization, int8_activations=int8_activations)
     else:  # fp32 on CPU: MKL-packed weights for decode batches (a no-op elsewhere)
-        from ascendserve.layers.linear import prepack_linears_
+        from ascendserve.layers.prepack import prepack_linears_
         stats = prepack_linears_(model, int8_activations=int8_activations)
     if int8_activations and not stats.get("int8_activations"):
         logger.warning("--activation-quantization int8 has no effect: the model has no 4-bit-weight linears on "
                        "this device (a Q4_0 / Q4_1 GGUF, or --quantization int4, on a CPU where the kernels build)")
     if config.device.type == "cpu":
-        from ascendserve.layers.linear import compact_embeddings_
+        from ascendserve.layers.prepack import compact_embeddings_
         compact_embeddings_(model)
         from ascendserve.layers import cpu_kernels
         cpu_kernels.ops()  # build or load the C++ kernels now, not inside the first request

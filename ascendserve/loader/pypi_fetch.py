@@ -2,7 +2,6 @@
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile

@@ -74,7 +74,7 @@ class CpuPlatform(Platform):
             if cpu_has_fast_bf16():
                 return torch.bfloat16
             logger.info("this CPU has no native bf16 (no AMX / AVX512-BF16): computing in float32 (bf16 "
-                        "linear weights stay bf16 where the CPU kernels build, layers/linear.py); pass --dtype "
+                        "linear weights stay bf16 where the CPU kernels build, layers/compact_linear.py); pass --dtype "
                         "bfloat16 to override")
             return torch.float32
         return checkpoint_dtype or torch.float32

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from ascendserve.layers import cpu_kernels
-from ascendserve.layers import linear as linear_mod
-from ascendserve.layers.linear import (Bf16Embedding, Bf16Linear, bf16_valued, compact_embeddings_, pack_bf16,
-                                      prepack_linears_)
+from ascendserve.layers import compact_linear as linear_mod
+from ascendserve.layers.compact_linear import Bf16Embedding, Bf16Linear, bf16_valued, pack_bf16
+from ascendserve.layers.prepack import compact_embeddings_, prepack_linears_
 from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows, fp32_layer_type
 
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ascendserve.layers import linear as packed
-from ascendserve.layers.linear import DenseLinear, PackedLinear, dense_linear, packing_supported, prepack_linears_
+from ascendserve.layers.linear import DenseLinear, PackedLinear, dense_linear, packing_supported
+from ascendserve.layers.prepack import prepack_linears_
 
 pytestmark = pytest.mark.skipif(not packing_supported(), reason="torch without MKL's packed GEMM")
 

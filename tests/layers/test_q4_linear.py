@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from ascendserve.layers import linear as linear_mod
-from ascendserve.layers.linear import Q4_KERNEL_MAX_ROWS, Bf16Linear, Q4Linear, find_q4_grid, pack_q4, prepack_linears_
-from tests.layers.kernel_checks import (assert_fp32_product, assert_kernel_rows, assert_kernel_up_to_max_rows,
-                                       fp32_layer_type)
+from ascendserve.layers import compact_linear as linear_mod
+from ascendserve.layers.compact_linear import Q4_KERNEL_MAX_ROWS, Bf16Linear, Q4Linear, find_q4_grid, pack_q4
+from ascendserve.layers.prepack import prepack_linears_
+from tests.layers.kernel_checks import assert_kernel_rows, assert_kernel_up_to_max_rows, fp32_layer_type
 
 
 @pytest.fixture(autouse=True)

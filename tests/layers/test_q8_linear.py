@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from ascendserve.layers import linear as linear_mod
-from ascendserve.layers.linear import Q4Linear, Q8Linear, find_q4_grid, find_q8_grid, pack_q8, prepack_linears_
+from ascendserve.layers import compact_linear as linear_mod
+from ascendserve.layers.compact_linear import Q4Linear, Q8Linear, find_q4_grid, find_q8_grid, pack_q8
+from ascendserve.layers.prepack import prepack_linears_
 from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows, assert_kernel_up_to_max_rows
 
 

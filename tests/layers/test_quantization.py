@@ -14,7 +14,7 @@ from ascendserve.cli.main import build_parser
 from ascendserve.cli.serve import warn_no_effect_flags
 from ascendserve.config import EngineArgs
 from ascendserve.layers import quantization as q
-from ascendserve.layers.linear import tile_kernels
+from ascendserve.layers.compact_linear import tile_kernels
 from ascendserve.layers.quantization import GridInt4Linear, WeightOnlyLinear, _unpack_int4, quantize_model_
 from tests.models.reference import make_prompts, randomize_
 from tests.models.test_qwen3_5_parity import TEXT as QWEN_TEXT

@@ -23,7 +23,8 @@ from ascendserve import LLM, SamplingParams
 from ascendserve.config import EngineArgs
 from ascendserve.engine.llm_engine import LLMEngine
 from ascendserve.layers import cpu_kernels
-from ascendserve.layers.linear import Bf16Embedding, Bf16Linear, DenseLinear, PackedLinear
+from ascendserve.layers.compact_linear import Bf16Embedding, Bf16Linear
+from ascendserve.layers.linear import DenseLinear, PackedLinear
 from ascendserve.layers.mrope import MRotaryEmbedding, interleaved_axis_of_slots
 from ascendserve.worker.kv_budget import KVCacheTooSmallError
 from ascendserve.worker.model_runner import build_state_metadata

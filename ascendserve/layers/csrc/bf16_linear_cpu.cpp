@@ -6,7 +6,7 @@
 // keeping the weight as bf16 and widening it in registers gives the fp32 product of the same numbers
 // from half the memory traffic. Accumulation is fp32; only the summation order differs from F.linear.
 //
-// Packed layout (ascendserve/layers/linear.py, pack_bf16): W [N, K] (K even, N padded with zero rows
+// Packed layout (ascendserve/layers/compact_linear.py, pack_bf16): W [N, K] (K even, N padded with zero rows
 // to a multiple of 32) as panels of 32 output rows, [N/32][K/2][32][2] bf16: for input pair kp, the 32
 // rows' (W[n][2kp], W[n][2kp+1]) side by side. One 32-bit lane then holds both of a row's values;
 // `lane << 16` is W[n][2kp] as fp32 and `lane & 0xffff0000` is W[n][2kp+1], one instruction each.

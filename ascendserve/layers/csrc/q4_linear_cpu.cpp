@@ -9,7 +9,7 @@
 //     y[n] = sum over blocks g of ( d[n,g] * sum_{k in g} x[k] q[n,k]  +  m[n,g] * sum_{k in g} x[k] )
 // in fp32: the weights' own products, regrouped (a different rounding order, as any GEMM's).
 //
-// Packed layout (ascendserve/layers/linear.py, pack_q4): rows in panels of 32 (N padded with zero
+// Packed layout (ascendserve/layers/compact_linear.py, pack_q4): rows in panels of 32 (N padded with zero
 // rows), [N/32][K/2][32] bytes: for input pair kp, byte j = q[n][2kp] | q[n][2kp+1] << 4 for the
 // panel's row j; scales and mins [N/32][K/G][32] fp32. The micro-kernel is the bf16 one's (up to 6
 // x-rows by 32 outputs in registers, x broadcast, one panel streamed front to back), with a block

@@ -7,7 +7,7 @@
 //     y[n] = sum over blocks g of d[n,g] * sum_{k in g} x[k] q[n,k]
 // in fp32: the weights' own products, regrouped (a different rounding order, as any GEMM's).
 //
-// Packed layout (ascendserve/layers/linear.py, pack_q8): rows in panels of 32 (N padded with zero rows),
+// Packed layout (ascendserve/layers/compact_linear.py, pack_q8): rows in panels of 32 (N padded with zero rows),
 // [N/32][K][32] int8: for input k, byte j = q[n][k] for the panel's row j; scales [N/32][K/G][32] fp32.
 // The tile is the 4-bit kernel's (q4_linear_cpu.cpp) with a byte per weight and no minimum.
 
