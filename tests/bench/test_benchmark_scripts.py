@@ -27,15 +27,25 @@ def _module(name: str):
     return module
 
 
-def test_compare_cpu_uses_only_names_peers_defines():
+@pytest.mark.parametrize("script", ["compare_cpu", "compare_models", "compare_report"])
+def test_compare_cpu_uses_only_names_peers_defines(script):
     peers = _module("peers")
-    tree = ast.parse((BENCHMARKS / "compare_cpu.py").read_text())
+    tree = ast.parse((BENCHMARKS / f"{script}.py").read_text())
     used = {node.attr for node in ast.walk(tree)
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "peers"}
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "peers"
                 for alias in node.names}
-    assert used and imported
+    assert used or imported
     assert sorted(name for name in used | imported if not hasattr(peers, name)) == []
+
+
+def test_compare_cpu_imports_only_names_its_modules_define():
+    """compare_cpu.py's `from compare_models / compare_report import ...` names exist there."""
+    tree = ast.parse((BENCHMARKS / "compare_cpu.py").read_text())
+    imports = [(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               and node.module in ("compare_models", "compare_report") for alias in node.names]
+    assert {module for module, _ in imports} == {"compare_models", "compare_report"}
+    assert [(m, name) for m, name in imports if not hasattr(_module(m), name)] == []
 
 
 
@@ -105,13 +115,13 @@ def _summary(tok_s: float, ttft: float) -> dict:
 
 
 def test_rounds_keep_the_median_run_and_the_ratio_of_each_round():
-    compare_cpu = _module("compare_cpu")
+    compare_cpu, report = _module("compare_cpu"), _module("compare_report")
     ours = [{"engine": "ascendserve", "servers": [{"command": f"a{i}"}], "wall_s": 10, "weights": "float32",
              "decode_bytes": 1, "levels": {64: _summary(tok, 100 + i)}} for i, tok in enumerate((150, 200, 180))]
     theirs = [{"engine": "vllm", "servers": [{"command": f"v{i}"}], "wall_s": 20, "weights": "float32",
                "decode_bytes": 1, "levels": {64: _summary(tok, 200 + i)}} for i, tok in enumerate((150, 140, 160))]
     theirs[2]["levels"][64] = {"error": "server died"}
-    merged = {"ascendserve": compare_cpu.merge_rounds(ours), "vllm float32": compare_cpu.merge_rounds(theirs)}
+    merged = {"ascendserve": report.merge_rounds(ours), "vllm float32": report.merge_rounds(theirs)}
     # The median run (180 tok/s, round 3) is kept whole, TTFT included; every round's figure is listed.
     assert merged["ascendserve"]["levels"][64]["median_ttft_ms"] == 102
     assert merged["ascendserve"]["levels"][64]["rounds"] == [150, 200, 180]
@@ -120,18 +130,18 @@ def test_rounds_keep_the_median_run_and_the_ratio_of_each_round():
     assert merged["vllm float32"]["levels"][64]["output_throughput"] == 140
     assert merged["vllm float32"]["levels"][64]["rounds"] == [150, 140, None]
     # Ratios only from rounds where both ran: 150/150, 200/140.
-    assert compare_cpu.round_ratios(merged, 64) == pytest.approx([1.0, 200 / 140])
+    assert report.round_ratios(merged, 64) == pytest.approx([1.0, 200 / 140])
     ns = compare_cpu.parse_args(["--threads", "2", "--engines", "ascendserve,vllm", "--concurrency", "64",
                                  "--rounds", "3"])
-    table = "\n".join(compare_cpu.model_tables(ns, {"title": "demo", "configs": merged, "notes": []}, 20.0))
+    table = "\n".join(report.model_tables(ns, {"title": "demo", "configs": merged, "notes": []}, 20.0))
     assert "1.21x (vllm float32; rounds 1.00, 1.43)" in table  # the median of the two per-round ratios
     assert "180.0 / 102 / 100.0 (rounds 150.0, 200.0, 180.0)" in table
 
 
 def test_a_failed_configuration_merges_to_its_error():
-    compare_cpu = _module("compare_cpu")
+    compare_cpu, report = _module("compare_cpu"), _module("compare_report")
     runs = [{"engine": "vllm", "servers": [], "levels": {8: {"error": f"boom {i}"}}} for i in range(2)]
-    merged = compare_cpu.merge_rounds(runs)
+    merged = report.merge_rounds(runs)
     assert merged["levels"][8]["error"] == "boom 1" and merged["levels"][8]["rounds"] == [None, None]
     with pytest.raises(SystemExit, match="--rounds must be >= 1"):
         compare_cpu.parse_args(["--rounds", "0"])
