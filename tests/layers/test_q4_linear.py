@@ -161,6 +161,19 @@ def test_a8_kernel_is_close_to_the_fp32_product(kernels):
     assert (out - ref).abs().max() > 1e-4 * scale.max()  # it does round (this is not the fp32 kernel)
 
 
+@pytest.mark.parametrize("op", ["q4_a8_linear", "q4_a8_linear_portable"])
+def test_a8_kernel_passes_nan_and_inf_on_as_the_fp32_kernel_does(kernels, op):
+    """A NaN or inf input (a broken layer upstream) must not be rounded into finite int8 garbage: its row comes
+    out NaN, as from the fp32 kernel, and the other rows are untouched."""
+    q = torch.randint(0, 16, (64, 128), dtype=torch.uint8)
+    packed = pack_q4(q, torch.rand(64, 4) * 0.01, -torch.rand(64, 4) * 0.05)
+    x = torch.randn(4, 128)
+    x[1, 5], x[2, 40] = float("nan"), float("inf")
+    out, fp32 = getattr(kernels, op)(x, *packed, 64, None), kernels.q4_linear(x, *packed, 64, None)
+    assert out[1:3].isnan().all() and fp32[1:3].isnan().all()
+    assert out[[0, 3]].isfinite().all()
+
+
 def test_a8_kernel_rejects_a_block_size_it_cannot_take(kernels):
     q = torch.randint(0, 16, (32, 96), dtype=torch.uint8)
     packed = pack_q4(q, torch.rand(32, 2), torch.rand(32, 2))  # blocks of 48 inputs
