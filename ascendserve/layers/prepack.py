@@ -26,7 +26,8 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
     wrapped in a Q4Linear for small batches when the values are a 4-bit grid per 32 inputs (a
     dequantized Q4_0 / Q4_1 GGUF), or in a Q8Linear when they are an 8-bit one (Q8_0). Bf16Linear,
     Q4Linear and Q8Linear need the CPU kernels and ASCENDSERVE_COMPACT_WEIGHTS not 0. int8_activations: the
-    Q4Linear layers multiply int8-rounded activations (Q4Panels; counted as "int8_activations"). A no-op (zeros)
+    Q4Linear layers multiply int8-rounded activations (Q4Panels; counted as "int8_activations") and keep no fp32
+    layer beneath (their kernels take every batch). A no-op (zeros)
     where none applies, e.g. bf16 or non-CPU layers (the GEMM probe then does not run either). Call after
     the weights are loaded.
     """

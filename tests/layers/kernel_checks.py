@@ -21,7 +21,8 @@ def assert_fp32_product(out: torch.Tensor, x: torch.Tensor, layer: nn.Linear) ->
     # fp32 sums in another order: errors ~1e-7 of the terms' magnitude, sum |x| |w| (+ |b|), not of
     # the output, which may cancel to near zero.
     scale = F.linear(x.double().abs(), layer.weight.double().abs(), None if bias is None else bias.abs())
-    assert ((out.double() - ref).abs() <= 1e-5 * scale.clamp(min=1e-30)).all(), (x.shape, (out.double() - ref).abs().max())
+    error = (out.double() - ref).abs()
+    assert (error <= 1e-5 * scale.clamp(min=1e-30)).all(), (x.shape, error.max())
 
 
 def assert_kernel_rows(op, packed: tuple, layer: nn.Linear, row_counts) -> None:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ascendserve.layers import cpu_kernels
-from ascendserve.layers import compact_linear as linear_mod
+from ascendserve.layers import compact_linear
 from ascendserve.layers.compact_linear import Bf16Embedding, Bf16Linear, bf16_valued, pack_bf16
 from ascendserve.layers.prepack import compact_embeddings_, prepack_linears_
 from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows, fp32_layer_type
@@ -62,7 +62,7 @@ def test_layer_switches_to_unpack_and_f_linear_above_the_kernel_rows(kernels):
     layer = _bf16_valued_linear(576, 96, True)
     recording = _Recording(kernels)
     bf16 = Bf16Linear(layer, recording)
-    for rows in (1, linear_mod.BF16_KERNEL_MAX_ROWS, linear_mod.BF16_KERNEL_MAX_ROWS + 1, 700):
+    for rows in (1, compact_linear.BF16_KERNEL_MAX_ROWS, compact_linear.BF16_KERNEL_MAX_ROWS + 1, 700):
         x = torch.randn(rows, 576)
         assert_fp32_product(bf16(x), x, layer)
     assert recording.calls == ["bf16_linear", "bf16_linear", "bf16_unpack", "bf16_unpack"]
@@ -104,7 +104,7 @@ def test_prepack_keeps_bf16_valued_weights_as_bf16(kernels, caplog):
     expected_fp32 = fp32_layer_type()
     assert type(model.odd) is expected_fp32 and type(model.fp32) is expected_fp32
     assert stats["bf16"] == 2 and stats["bf16_bytes"] == (32 * 32 + 128 * 32) * 2  # the pack pads N to 32 rows
-    assert "2 fp32 linear layers hold bf16 values" in caplog.text and linear_mod.COMPACT_ENV_VAR in caplog.text
+    assert "2 fp32 linear layers hold bf16 values" in caplog.text and compact_linear.COMPACT_ENV_VAR in caplog.text
     assert torch.equal(model.embed_tokens.weight, embedding)  # the embedding keeps its fp32 tensor
     x = torch.randn(5, 32)
     reference = nn.Linear(32, 100, bias=False)
@@ -134,9 +134,9 @@ def test_embedding_with_values_off_the_bf16_grid_or_switched_off_stays_fp32(monk
     assert compact_embeddings_(model) == 0 and type(model.embed_tokens) is nn.Embedding
     with torch.no_grad():
         model.embed_tokens.weight.copy_(model.embed_tokens.weight.bfloat16().float())
-    monkeypatch.setenv(linear_mod.COMPACT_ENV_VAR, "0")
+    monkeypatch.setenv(compact_linear.COMPACT_ENV_VAR, "0")
     assert compact_embeddings_(model) == 0 and type(model.embed_tokens) is nn.Embedding
-    monkeypatch.delenv(linear_mod.COMPACT_ENV_VAR)
+    monkeypatch.delenv(compact_linear.COMPACT_ENV_VAR)
     assert compact_embeddings_(model) > 0 and isinstance(model.embed_tokens, Bf16Embedding)
 
 
@@ -147,7 +147,7 @@ def test_bf16_valued_checks_every_row_pass():
     assert not bf16_valued(weight, rows_per_pass=3) and not bf16_valued(weight)
 
 
-@pytest.mark.parametrize("env", [linear_mod.COMPACT_ENV_VAR, "ASCENDSERVE_CPU_KERNELS"])
+@pytest.mark.parametrize("env", [compact_linear.COMPACT_ENV_VAR, "ASCENDSERVE_CPU_KERNELS"])
 def test_bf16_weights_stay_fp32_when_turned_off(monkeypatch, env):
     monkeypatch.setenv(env, "0")
     monkeypatch.delitem(cpu_kernels._state, "ops", raising=False)  # loaded again, under the switch

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ascendserve.layers import compact_linear as linear_mod
+from ascendserve.layers import compact_linear
 from ascendserve.layers.compact_linear import Q4_KERNEL_MAX_ROWS, Bf16Linear, Q4Linear, find_q4_grid, pack_q4
 from ascendserve.layers.prepack import prepack_linears_
 from tests.layers.kernel_checks import assert_kernel_rows, assert_kernel_up_to_max_rows, fp32_layer_type
@@ -63,7 +63,7 @@ def test_kernel_is_the_fp32_product_of_the_grid_weight(kernels, n, k, bias, op):
 def test_layer_runs_its_fp32_layer_above_the_kernel_rows(kernels, monkeypatch):
     layer = _grid_linear(96, 576, True)
     q4 = Q4Linear(layer, find_q4_grid(layer.weight.detach()), kernels)
-    assert_kernel_up_to_max_rows(q4, layer, linear_mod.Q4_KERNEL_MAX_ROWS, monkeypatch)
+    assert_kernel_up_to_max_rows(q4, layer, compact_linear.Q4_KERNEL_MAX_ROWS, monkeypatch)
     assert q4.q.numel() == 96 * 576 // 2 and q4.bias is layer.bias  # half a byte per weight, plus d and m per 32
 
 
@@ -100,7 +100,7 @@ def test_prepack_picks_bf16_or_fp32_with_a_q4_copy(kernels):
 
 
 def test_compact_weights_switch_keeps_fp32(monkeypatch):
-    monkeypatch.setenv(linear_mod.COMPACT_ENV_VAR, "0")
+    monkeypatch.setenv(compact_linear.COMPACT_ENV_VAR, "0")
     model = nn.Sequential(_grid_linear(64, 64, False))
     assert prepack_linears_(model)["q4"] == 0
     assert not isinstance(model[0], Q4Linear)

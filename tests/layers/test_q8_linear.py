@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ascendserve.layers import compact_linear as linear_mod
+from ascendserve.layers import compact_linear
 from ascendserve.layers.compact_linear import Q4Linear, Q8Linear, find_q4_grid, find_q8_grid, pack_q8
 from ascendserve.layers.prepack import prepack_linears_
 from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows, assert_kernel_up_to_max_rows
@@ -61,7 +61,7 @@ def test_kernel_is_the_fp32_product_of_the_grid_weight(kernels, n, k, bias, op):
 def test_layer_runs_its_fp32_layer_above_the_kernel_rows(kernels, monkeypatch):
     layer = _grid_linear(96, 576, True)
     q8 = Q8Linear(layer, find_q8_grid(layer.weight.detach()), kernels)
-    assert_kernel_up_to_max_rows(q8, layer, linear_mod.Q8_KERNEL_MAX_ROWS, monkeypatch)
+    assert_kernel_up_to_max_rows(q8, layer, compact_linear.Q8_KERNEL_MAX_ROWS, monkeypatch)
     assert q8.q.numel() == 96 * 576 and q8.bias is layer.bias  # a byte per weight, plus d per 32
 
 
@@ -112,7 +112,7 @@ def test_prepack_keeps_a_q8_copy_and_a_tied_head_stays_tied(kernels):
 
 
 def test_compact_weights_switch_keeps_the_q8_layer_fp32(monkeypatch):
-    monkeypatch.setenv(linear_mod.COMPACT_ENV_VAR, "0")
+    monkeypatch.setenv(compact_linear.COMPACT_ENV_VAR, "0")
     model = nn.Sequential(_grid_linear(64, 64, False))
     assert prepack_linears_(model)["q8"] == 0
     assert not isinstance(model[0], Q8Linear)
