@@ -13,8 +13,9 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ascendserve.loader.demo import get_demo_model_path
-from ascendserve.loader.gguf_loader import (UnsupportedGGUFError, is_gguf, iter_gguf_weights,
-                                            load_gguf_config, load_gguf_tokenizer)
+from ascendserve.loader import gguf_loader
+from ascendserve.loader.gguf_loader import (TOKENIZER_CACHE_ENV_VAR, UnsupportedGGUFError, is_gguf, iter_gguf_weights,
+                                            load_gguf_config, load_gguf_tokenizer, tokenizer_cache_dir)
 
 Q = gguf.GGMLQuantizationType
 PROMPT = "What is the capital of France?"
@@ -375,3 +376,69 @@ def test_tokenizer_from_synthesized_gguf(tmp_path, monkeypatch):
     tokenizer = load_gguf_tokenizer(str(tmp_path / "tok.gguf"))
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
         "<|im_start|>hi<|im_end|>"
+
+
+# ---------------------------------------------------------------------------------------------------
+# (e) one parse per load: the reader shared, the tokenizer cached on disk
+# ---------------------------------------------------------------------------------------------------
+
+def test_one_reader_per_file_version_until_the_weights_are_read(tmp_path):
+    path = str(tmp_path / "m.gguf")
+    _write_minimal(path, [("token_embd.weight", np.ones((4, 32), np.float32), Q.F32)])
+    reader = gguf_loader._open(path)
+    assert gguf_loader._open(path) is reader  # the config, the chat template and the weights share it
+    assert [name for name, _ in iter_gguf_weights(path)] == ["model.embed_tokens.weight"]
+    assert gguf_loader._open(path) is not reader  # let go once the weights are read
+    reader = gguf_loader._open(path)
+    _write_minimal(path, [("token_embd.weight", np.ones((8, 32), np.float32), Q.F32)])
+    assert gguf_loader._open(path) is not reader and gguf_loader._open(path).tensors[0].shape[-1] == 8
+
+
+def _encodings(tokenizer) -> list:
+    texts = ["hi", "hi <|im_start|>hi<|im_end|>", " h i\n\t", ""]
+    return [tokenizer(t).input_ids for t in texts] + [tokenizer.bos_token_id, tokenizer.eos_token_id,
+                                                      len(tokenizer), tokenizer.chat_template]
+
+
+def test_tokenizer_is_built_once_and_read_back_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(TOKENIZER_CACHE_ENV_VAR, str(tmp_path / "cache"))
+    path = str(tmp_path / "tok.gguf")
+    _write_tokenizer_gguf(path)
+    built = load_gguf_tokenizer(path)
+    cached_dir = tokenizer_cache_dir(path)
+    assert cached_dir.startswith(str(tmp_path / "cache")) and (tmp_path / "cache").exists()
+
+    from transformers import AutoTokenizer
+    original, sources = AutoTokenizer.from_pretrained.__func__, []
+
+    def recording(cls, source, *args, **kwargs):
+        sources.append((source, kwargs.get("gguf_file")))
+        return original(cls, source, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(recording))
+    again = load_gguf_tokenizer(path)
+    assert sources == [(cached_dir, None)]  # not converted from the GGUF a second time
+    assert _encodings(again) == _encodings(built)
+    assert again.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+        "<|im_start|>hi<|im_end|>"
+    # A rewritten file is another key; with the cache off (0) every load converts and nothing is written.
+    _write_tokenizer_gguf(path)
+    assert tokenizer_cache_dir(path) != cached_dir
+    monkeypatch.setenv(TOKENIZER_CACHE_ENV_VAR, "0")
+    sources.clear()
+    assert tokenizer_cache_dir(path) is None and _encodings(load_gguf_tokenizer(path)) == _encodings(built)
+    assert sources == [(str(tmp_path), "tok.gguf")]
+
+
+def test_demo_tokenizer_read_back_from_the_cache_encodes_the_same(demo_path, tmp_path, monkeypatch):
+    monkeypatch.setenv(TOKENIZER_CACHE_ENV_VAR, str(tmp_path))
+    built = load_gguf_tokenizer(demo_path)
+    cached = load_gguf_tokenizer(demo_path)
+    texts = [PROMPT, "Ünïcödé — 日本語 🙂  spaces\n\nand tabs\t", "<|im_start|>user\nhi<|im_end|>"]
+    assert [cached(t).input_ids for t in texts] == [built(t).input_ids for t in texts]
+    assert cached(PROMPT).input_ids == PROMPT_IDS
+    assert (cached.bos_token_id, cached.eos_token_id, len(cached)) == (built.bos_token_id, built.eos_token_id,
+                                                                      len(built))
+    messages = [{"role": "user", "content": PROMPT}]
+    assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        built.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

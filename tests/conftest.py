@@ -1,0 +1,22 @@
+"""Session-wide test settings."""
+
+import os
+import shutil
+import tempfile
+
+from ascendserve.loader.gguf_loader import TOKENIZER_CACHE_ENV_VAR
+
+_OWN_CACHE: list[str] = []
+
+
+def pytest_configure(config):
+    # Tokenizers built from the tests' GGUF files are cached for this session only (server processes the
+    # tests start inherit it), not in the user's ~/.cache, which would gain a directory per temp file.
+    if TOKENIZER_CACHE_ENV_VAR not in os.environ:
+        _OWN_CACHE.append(tempfile.mkdtemp(prefix="ascendserve-gguf-tokenizers-"))
+        os.environ[TOKENIZER_CACHE_ENV_VAR] = _OWN_CACHE[0]
+
+
+def pytest_unconfigure(config):
+    for directory in _OWN_CACHE:
+        shutil.rmtree(directory, ignore_errors=True)
