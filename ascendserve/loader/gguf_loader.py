@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
+from ascendserve.loader.gguf_file import GGUFFile, GGUFFormatError
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -79,27 +80,29 @@ def _check_gguf(path: str) -> None:
         raise UnsupportedGGUFError(f"{path} is not a GGUF file (missing, or wrong magic bytes)")
 
 
-def _open(path: str) -> gguf.GGUFReader:
-    """The file's reader, parsed once for the config, the tokenizer's chat template and the weights (its
-    metadata parse is slow in pure Python: 8.8 s for the demo's 49152-token vocabulary, which a load did
-    three times); iter_gguf_weights lets it go once the weights are read."""
+def _open(path: str) -> GGUFFile:
+    """The file's header, read once for the config, the tokenizer's chat template and the weights (gguf_file.py:
+    gguf.GGUFReader took 8.8 s for the demo's vocabulary, and a load read it three times); iter_gguf_weights
+    lets it go once the weights are read."""
     _check_gguf(path)
     stat = os.stat(path)
     return _reader(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _reader(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+def _reader(path: str, size: int, mtime_ns: int) -> GGUFFile:
     """One reader per file version (size and mtime in the key: a rewritten file is parsed again)."""
-    return gguf.GGUFReader(path)
+    try:
+        return GGUFFile(path)
+    except GGUFFormatError as e:
+        raise UnsupportedGGUFError(str(e)) from None
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.get(key, default)
 
 
-def _architecture(reader: gguf.GGUFReader, path: str) -> str:
+def _architecture(reader: GGUFFile, path: str) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise UnsupportedGGUFError(f"{path}: GGUF architecture {arch!r} is not supported; "
@@ -124,7 +127,7 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     return config_cls(architectures=[arch_name], dtype=_config_dtype(reader), **kwargs)
 
 
-def _config_kwargs(reader: gguf.GGUFReader, arch: str, tensors: dict) -> dict[str, Any]:
+def _config_kwargs(reader: GGUFFile, arch: str, tensors: dict) -> dict[str, Any]:
     def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
 
@@ -157,7 +160,7 @@ def _config_kwargs(reader: gguf.GGUFReader, arch: str, tensors: dict) -> dict[st
     return kwargs
 
 
-def _rope_parameters(reader: gguf.GGUFReader, arch: str, tensors: dict,
+def _rope_parameters(reader: GGUFFile, arch: str, tensors: dict,
                      head_dim: int) -> dict[str, Any]:
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
@@ -214,7 +217,7 @@ def _llama3_divisors(theta: float, rope_dim: int, p: dict[str, Any]) -> np.ndarr
     return np.asarray(out, dtype=np.float32)
 
 
-def _config_dtype(reader: gguf.GGUFReader) -> torch.dtype:
+def _config_dtype(reader: GGUFFile) -> torch.dtype:
     # The precision of the unquantized source: F32 files compute in float32, BF16 in bfloat16; F16
     # and quantized files in float16 (llama.cpp's scales are float16). Platforms may override.
     file_type = _field(reader, "general.file_type")

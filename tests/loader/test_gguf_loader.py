@@ -14,6 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ascendserve.loader.demo import get_demo_model_path
 from ascendserve.loader import gguf_loader
+from ascendserve.loader.gguf_file import GGUFFile
 from ascendserve.loader.gguf_loader import (TOKENIZER_CACHE_ENV_VAR, UnsupportedGGUFError, is_gguf, iter_gguf_weights,
                                             load_gguf_config, load_gguf_tokenizer, tokenizer_cache_dir)
 
@@ -442,3 +443,52 @@ def test_demo_tokenizer_read_back_from_the_cache_encodes_the_same(demo_path, tmp
     messages = [{"role": "user", "content": PROMPT}]
     assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         built.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_header_reader_gives_what_gguf_reader_gives(tmp_path):
+    """gguf_file.GGUFFile against gguf's own reader: every metadata value and every tensor's type, shape and bytes."""
+    path = tmp_path / "all.gguf"
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_string("test.text", "héllo\nwörld")
+    writer.add_array("test.strings", ["a", "", "日本", "<|im_end|>"])
+    writer.add_array("test.ints", [1, -2, 3])
+    writer.add_array("test.floats", [0.5, -1.25])
+    writer.add_bool("test.flag", True)
+    writer.add_float32("test.f32", 0.125)
+    writer.add_uint64("test.u64", 2**40)
+    writer.add_int32("test.i32", -7)
+    writer.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
+    writer.add_tensor("f16", rng.standard_normal((2, 64)).astype(np.float16))
+    for qtype in (Q.Q8_0, Q.Q4_1, Q.Q4_K, Q.BF16):
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (4, 256 // block_size * type_size), dtype=np.uint8)
+        writer.add_tensor(qtype.name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, theirs = GGUFFile(str(path)), gguf.GGUFReader(str(path))
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields == expected and ours.get("test.strings") == ["a", "", "日本", "<|im_end|>"]
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, list(a.shape), a.n_elements, a.n_bytes, a.data_offset) == \
+            (b.tensor_type, list(b.shape), b.n_elements, b.n_bytes, b.data_offset)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+
+
+def test_truncated_or_unknown_version_is_a_clear_error(tmp_path):
+    path = tmp_path / "m.gguf"
+    _write_minimal(path, [("token_embd.weight", np.ones((4, 32), np.float32), Q.F32)])
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) - 64])
+    with pytest.raises(UnsupportedGGUFError, match="token_embd.weight.*runs past the end"):
+        load_gguf_config(str(tmp_path / "cut.gguf"))
+    (tmp_path / "header.gguf").write_bytes(data[:40])
+    with pytest.raises(UnsupportedGGUFError, match="unreadable GGUF header|runs past the end"):
+        load_gguf_config(str(tmp_path / "header.gguf"))
+    (tmp_path / "v9.gguf").write_bytes(data[:4] + (9).to_bytes(4, "little") + data[8:])
+    with pytest.raises(UnsupportedGGUFError, match="GGUF version 9"):
+        load_gguf_config(str(tmp_path / "v9.gguf"))
