@@ -246,9 +246,13 @@ def load_gguf_tokenizer(path: str, **kwargs: Any):
     _check_gguf(path)
     path = os.path.abspath(path)
     cached = tokenizer_cache_dir(path) if not kwargs else None
+    tokenizer = None
     if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
-        tokenizer = AutoTokenizer.from_pretrained(cached)
-    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cached)
+        except Exception as e:  # a damaged cache entry: convert from the GGUF again
+            logger.warning("Cached tokenizer %s unreadable (%s); converting %s again", cached, e, path)
+    if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                   **kwargs)
     if getattr(tokenizer, "chat_template", None) is None:

@@ -1,7 +1,9 @@
 """GGUF loader: parity with transformers on the demo file, every quant type, and llama.cpp's q/k permutation."""
 
 import copy
+import logging
 import math
+import os
 
 import gguf
 import numpy as np
@@ -429,6 +431,18 @@ def test_tokenizer_is_built_once_and_read_back_from_the_cache(tmp_path, monkeypa
     sources.clear()
     assert tokenizer_cache_dir(path) is None and _encodings(load_gguf_tokenizer(path)) == _encodings(built)
     assert sources == [(str(tmp_path), "tok.gguf")]
+
+
+def test_a_damaged_cached_tokenizer_is_converted_again(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(TOKENIZER_CACHE_ENV_VAR, str(tmp_path / "cache"))
+    path = str(tmp_path / "tok.gguf")
+    _write_tokenizer_gguf(path)
+    built = load_gguf_tokenizer(path)
+    with open(os.path.join(tokenizer_cache_dir(path), "tokenizer.json"), "w") as f:
+        f.write("{not json")
+    with caplog.at_level(logging.WARNING):
+        again = load_gguf_tokenizer(path)
+    assert "unreadable" in caplog.text and _encodings(again) == _encodings(built)
 
 
 def test_demo_tokenizer_read_back_from_the_cache_encodes_the_same(demo_path, tmp_path, monkeypatch):
