@@ -250,8 +250,9 @@ def load_gguf_tokenizer(path: str, **kwargs: Any):
     if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
         try:
             tokenizer = AutoTokenizer.from_pretrained(cached)
-        except Exception as e:  # a damaged cache entry: convert from the GGUF again
+        except Exception as e:  # a damaged cache entry: convert from the GGUF again, and save that instead
             logger.warning("Cached tokenizer %s unreadable (%s); converting %s again", cached, e, path)
+            shutil.rmtree(cached, ignore_errors=True)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                   **kwargs)

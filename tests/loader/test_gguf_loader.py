@@ -443,6 +443,9 @@ def test_a_damaged_cached_tokenizer_is_converted_again(tmp_path, monkeypatch, ca
     with caplog.at_level(logging.WARNING):
         again = load_gguf_tokenizer(path)
     assert "unreadable" in caplog.text and _encodings(again) == _encodings(built)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the entry was saved anew
+        assert _encodings(load_gguf_tokenizer(path)) == _encodings(built) and "unreadable" not in caplog.text
 
 
 def test_demo_tokenizer_read_back_from_the_cache_encodes_the_same(demo_path, tmp_path, monkeypatch):
