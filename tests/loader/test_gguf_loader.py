@@ -15,7 +15,6 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ascendserve.loader.demo import get_demo_model_path
-from ascendserve.loader import gguf_loader
 from ascendserve.loader.gguf_file import GGUFFile
 from ascendserve.loader.gguf_loader import (TOKENIZER_CACHE_ENV_VAR, UnsupportedGGUFError, is_gguf, iter_gguf_weights,
                                             load_gguf_config, load_gguf_tokenizer, tokenizer_cache_dir)
@@ -382,20 +381,8 @@ def test_tokenizer_from_synthesized_gguf(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------
-# (e) one parse per load: the reader shared, the tokenizer cached on disk
+# (e) the tokenizer cached on disk, the header read in one pass
 # ---------------------------------------------------------------------------------------------------
-
-def test_one_reader_per_file_version_until_the_weights_are_read(tmp_path):
-    path = str(tmp_path / "m.gguf")
-    _write_minimal(path, [("token_embd.weight", np.ones((4, 32), np.float32), Q.F32)])
-    reader = gguf_loader._open(path)
-    assert gguf_loader._open(path) is reader  # the config, the chat template and the weights share it
-    assert [name for name, _ in iter_gguf_weights(path)] == ["model.embed_tokens.weight"]
-    assert gguf_loader._open(path) is not reader  # let go once the weights are read
-    reader = gguf_loader._open(path)
-    _write_minimal(path, [("token_embd.weight", np.ones((8, 32), np.float32), Q.F32)])
-    assert gguf_loader._open(path) is not reader and gguf_loader._open(path).tensors[0].shape[-1] == 8
-
 
 def _encodings(tokenizer) -> list:
     texts = ["hi", "hi <|im_start|>hi<|im_end|>", " h i\n\t", ""]
