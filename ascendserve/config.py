@@ -19,6 +19,9 @@ def env_switch(name: str) -> bool | None:
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, applied after loading (layers/quantization.py)
+# "auto": the model dtype; a half-precision cache under an fp32 model stores K/V rounded to 16 bits and is
+# read back widened (attention itself stays fp32; not bit-exact)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 ACTIVATION_QUANTIZATION_METHODS = ("int8",)  # 4-bit-weight linears' activations (layers/compact_linear.py, Q4Panels)
 
 
@@ -52,6 +55,7 @@ class EngineArgs:
     # None or "int8": 4-bit-weight linears (a Q4_0 / Q4_1 GGUF's, --quantization int4's) round their input
     # to int8 per 32 values and multiply with integer instructions (CPU; not bit-exact)
     activation_quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -77,6 +81,7 @@ class EngineArgs:
         if self.activation_quantization not in (None, *ACTIVATION_QUANTIZATION_METHODS):
             raise ValueError(f"activation_quantization must be one of {[None, *ACTIVATION_QUANTIZATION_METHODS]}, "
                              f"got {self.activation_quantization!r}")
+        _check_kv_cache_dtype(self.kv_cache_dtype)
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
         _check_positive("max_model_len", self.max_model_len)
@@ -101,6 +106,15 @@ def _check_quantization(value: str | None) -> None:
     raise ValueError(f"quantization must be one of {allowed}, got {value!r}")
 
 
+def _check_kv_cache_dtype(value) -> None:
+    if value in KV_CACHE_DTYPES:
+        return
+    if isinstance(value, str) and value.startswith("fp8"):
+        raise ValueError(f"kv_cache_dtype {value!r} is not supported: fp8 KV caches are not implemented; "
+                         f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}")
+    raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {value!r}")
+
+
 def _check_positive(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -121,4 +135,5 @@ class EngineConfig:
     platform: Any = None
     served_model_name: str = ""
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # resolved when the cache is planned
+    kv_cache_dtype: Any = None  # torch.dtype of the KV cache: `dtype` unless args.kv_cache_dtype says otherwise
     extra: dict[str, Any] = field(default_factory=dict)

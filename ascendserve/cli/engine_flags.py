@@ -2,7 +2,7 @@
 
 import argparse
 
-from ascendserve.config import ACTIVATION_QUANTIZATION_METHODS, QUANTIZATION_METHODS, EngineArgs
+from ascendserve.config import ACTIVATION_QUANTIZATION_METHODS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +36,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "their input to int8 per 32 values and multiply with integer instructions, as "
                              "llama.cpp does: about twice the fp32 arithmetic rate on a CPU (prefill, batches "
                              "of 2+ rows); not bit-exact")
+    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                        help=f"one of {list(KV_CACHE_DTYPES)}; auto: the model dtype. bfloat16 under a float32 model "
+                             f"(the CPU default) stores K/V in half the memory (twice the cached tokens) and halves "
+                             f"what decode attention reads; attention still computes in float32; not bit-exact")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

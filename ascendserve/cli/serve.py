@@ -40,7 +40,6 @@ NO_EFFECT_FLAGS = {
                              "fixed (see ascendserve/compilation.py) and --enforce-eager turns it off"),
     "--additional-config": ({"type": None}, "no platform plugin reads it"),
     "--speculative-config": ({"type": None}, "speculative decoding (MTP) is not implemented"),
-    "--kv-cache-dtype": ({}, "the KV cache uses the model dtype"),
     "--mamba-cache-mode": ({}, "the recurrent-state cache has one mode"),
     "--mamba-ssm-cache-dtype": ({}, "the recurrent state is kept in float32"),
     "--allowed-local-media-path": ({}, "multimodal input is not implemented"),

@@ -2,6 +2,8 @@
 
 KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim]. A token at position p
 of a request with block table bt lives at slot bt[p // block_size] * block_size + p % block_size.
+The cache is in the model dtype, or narrower (--kv-cache-dtype bfloat16 under an fp32 model): K/V are
+rounded as they are stored and widened back to the query dtype where they are read.
 """
 
 from dataclasses import dataclass
@@ -42,11 +44,21 @@ class AttentionMetadata:
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k, v [T, Hk, D] at their slots."""
+    """Store k, v [T, Hk, D] at their slots (in the cache's dtype)."""
     k_flat = kv_cache[0].view(-1, *k.shape[1:])
     v_flat = kv_cache[1].view(-1, *v.shape[1:])
-    k_flat.index_copy_(0, slot_mapping, k)
-    v_flat.index_copy_(0, slot_mapping, v)
+    k_flat.index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+_HALVES = (torch.bfloat16, torch.float16)
+
+
+def _kernel_reads(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the CPU decode kernel takes these dtypes: one for both, or fp32 queries over a bf16 / fp16 cache."""
+    if q_dtype == cache_dtype:
+        return q_dtype == torch.float32 or q_dtype in _HALVES
+    return q_dtype == torch.float32 and cache_dtype in _HALVES
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -57,8 +69,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     another request fills in this very step (shared prefix blocks).
     """
     if meta.decode_token_idx is not None and not meta.prefills:  # a pure decode step: every row, in order
-        if (q.device.type == "cpu" and k.dtype == v.dtype == kv_cache.dtype and _rows_contiguous(k)
-                and _rows_contiguous(v) and (kernels := cpu_kernels.ops()) is not None):  # it stores k / v too
+        if (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and _kernel_reads(q.dtype, kv_cache.dtype)
+                and _rows_contiguous(k) and _rows_contiguous(v)
+                and (kernels := cpu_kernels.ops()) is not None):  # it stores k / v too
             return kernels.paged_decode_write(q.contiguous(), k, v, kv_cache, meta.slot_mapping,
                                               meta.decode_block_tables, meta.decode_context_lens, scale)
         write_kv(kv_cache, k, v, meta.slot_mapping)
@@ -74,7 +87,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         if seq.kv_slots is None:  # fresh prompts: their own new k/v, `count` of them as a batch
             qs, ks, vs = (x[rows].unflatten(0, (seq.count, -1)) for x in (q, k, v))
         else:
-            qs, ks, vs = q[rows].unsqueeze(0), k_flat[seq.kv_slots].unsqueeze(0), v_flat[seq.kv_slots].unsqueeze(0)
+            qs = q[rows].unsqueeze(0)
+            ks, vs = (flat[seq.kv_slots].unsqueeze(0).to(q.dtype) for flat in (k_flat, v_flat))
         out[rows] = _sdpa(qs, ks, vs, seq.mask, scale).flatten(0, 1)
     return out
 
@@ -93,11 +107,12 @@ def _decode(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     new token sees its whole context; the length mask hides the padding of shorter requests.
     On CPU the C++ kernel (cpu_kernels) does the same reading K/V in place, without the gather.
     """
-    if q.device.type == "cpu" and (kernels := cpu_kernels.ops()) is not None:
+    if (q.device.type == "cpu" and _kernel_reads(q.dtype, kv_cache.dtype)
+            and (kernels := cpu_kernels.ops()) is not None):
         return kernels.paged_decode(q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[-2]
-    kv = _gather_decode_blocks(kv_cache, meta)  # [2, Bd, T, Hk, D]
+    kv = _gather_decode_blocks(kv_cache, meta).to(q.dtype)  # [2, Bd, T, Hk, D]
     out = F.scaled_dot_product_attention(q.reshape(num_decodes, num_kv_heads, -1, head_dim),
                                          kv[0].transpose(1, 2), kv[1].transpose(1, 2),
                                          attn_mask=meta.decode_mask, scale=scale)

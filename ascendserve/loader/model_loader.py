@@ -94,10 +94,12 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                          f"be scheduled; raise max_num_batched_tokens or enable chunked prefill")
     names = args.served_model_name or args.model or _demo_name()
     served = names[0] if isinstance(names, list) else names
+    kv_cache_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
     return EngineConfig(args=args, model_path=path, hf_config=hf_config, dtype=dtype,
                         max_model_len=max_model_len, max_num_batched_tokens=budget,
                         enable_prefix_caching=_resolve_prefix_caching(args.enable_prefix_caching, text_config),
-                        device=platform.device(), platform=platform, served_model_name=served)
+                        device=platform.device(), platform=platform, served_model_name=served,
+                        kv_cache_dtype=kv_cache_dtype)
 
 
 def _resolve_prefix_caching(requested: bool | None, text_config) -> bool:

@@ -26,7 +26,7 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
     """
     args = config.args
     spec = model.kv_cache_spec()
-    per_block = kv_cache_bytes_per_block(spec, args.block_size, config.dtype)
+    per_block = kv_cache_bytes_per_block(spec, args.block_size, config.kv_cache_dtype)
     per_slot = state_cache_bytes_per_slot(model.state_cache_spec(), config.dtype) if is_hybrid(model) else 0
     budget, source = None, "num_gpu_blocks_override"
     if args.num_gpu_blocks_override is None:
@@ -58,7 +58,7 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
     needed = -(-config.max_model_len // args.block_size)
     logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %s (%s, %d layers); "
                 "%.1f requests of max_model_len %d fit at once%s", source, num_blocks, args.block_size,
-                num_blocks * args.block_size, _size(num_blocks * per_block), config.dtype,
+                num_blocks * args.block_size, _size(num_blocks * per_block), config.kv_cache_dtype,
                 spec["num_layers"], num_blocks / needed, config.max_model_len, state_note)
     if num_blocks < needed:
         raise KVCacheTooSmallError(

@@ -99,7 +99,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.sampler = Sampler(seed=config.args.seed)
         self.kv_caches = allocate_kv_caches(model.kv_cache_spec(), num_blocks, self.block_size,
-                                            config.dtype, self.device)
+                                            config.kv_cache_dtype, self.device)
         # Hybrid models (Gated DeltaNet): one state slot per running request, max_num_seqs slots.
         self.num_state_slots = config.max_num_seqs if is_hybrid(model) else 0
         self.state_caches = None

@@ -90,6 +90,45 @@ def test_decode_in_half_precision_matches_fp32_attention(dtype, decode_path):
         torch.testing.assert_close(out[i].float(), ref, rtol=2e-2, atol=2e-2)
 
 
+# --kv-cache-dtype bfloat16 / float16 under an fp32 model: fp32 queries and new k / v, a half-precision
+# cache. The new k / v are rounded as they are stored (by the kernel or by write_kv); attention is fp32
+# over the rounded values, so it matches dense fp32 attention over them closely. head_dim 16, 64, 256 take
+# the AVX2 loops (bf16: 16 values a load, split into even and odd ones), 24 and 4 the portable ones.
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 2, 256), (4, 2, 16), (4, 2, 24),
+                                                               (2, 1, 4)])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_decode_over_a_half_precision_cache_under_fp32_queries(num_heads, num_kv_heads, head_dim, cache_dtype,
+                                                               decode_path):
+    q, k, v, cache, meta, histories = _step([1, 5, 13, 40], num_heads, num_kv_heads, head_dim, seed=7)
+    cache = cache.to(cache_dtype)
+    out = paged_attention(q, k, v, cache, meta, head_dim ** -0.5)
+    assert out.dtype == torch.float32
+    flat = cache.view(2, -1, num_kv_heads, head_dim)
+    assert torch.equal(flat[0, meta.slot_mapping], k.to(cache_dtype))  # rounded to nearest even, as torch does
+    assert torch.equal(flat[1, meta.slot_mapping], v.to(cache_dtype))
+    for i, past in enumerate(histories):
+        ks, vs = (torch.cat([past[j], new[i:i + 1]]).to(cache_dtype).float() for j, new in ((0, k), (1, v)))
+        ref = _dense_reference(q[i], ks, vs, head_dim ** -0.5)
+        torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_refuses_a_cache_dtype_it_does_not_read_and_attention_falls_back(kernels):
+    # bf16 queries over an fp16 cache: not a pair the kernel takes; paged_attention gathers and converts.
+    q, k, v, cache, meta, histories = _step([3, 9], 4, 2, 16, seed=8)
+    q, k, v, cache = q.bfloat16(), k.bfloat16(), v.bfloat16(), cache.half()
+    with pytest.raises(RuntimeError, match="Half cache under BFloat16 queries is not supported"):
+        kernels.paged_decode(q, cache, meta.decode_block_tables, meta.decode_context_lens, 0.25)
+    with pytest.raises(RuntimeError, match="BFloat16 k / v into a Half cache is not supported"):
+        kernels.paged_decode_write(q, k, v, cache, meta.slot_mapping, meta.decode_block_tables,
+                                   meta.decode_context_lens, 0.25)
+    out = paged_attention(q, k, v, cache, meta, 0.25)
+    assert out.dtype == torch.bfloat16
+    for i, past in enumerate(histories):
+        ks, vs = (torch.cat([past[j].half(), new[i:i + 1].half()]).float() for j, new in ((0, k), (1, v)))
+        ref = _dense_reference(q[i].float(), ks, vs, 0.25)
+        torch.testing.assert_close(out[i].float(), ref, rtol=2e-2, atol=2e-2)
+
+
 def test_layers_sharing_the_step_workspace_read_their_own_cache(monkeypatch):
     monkeypatch.setitem(cpu_kernels._state, "ops", None)  # the workspace belongs to the plain-torch path
     q, k, v, cache, meta, _ = _step([6, 11], 6, 2, 16, seed=1)
@@ -102,9 +141,12 @@ def test_layers_sharing_the_step_workspace_read_their_own_cache(monkeypatch):
     torch.testing.assert_close(again, first, rtol=0, atol=0)
 
 
-def test_a_mixed_step_matches_dense_causal_attention_per_request():
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_step_matches_dense_causal_attention_per_request(cache_dtype):
     # Requests in packed order: a decode, two fresh prompts of 5 tokens (one SDPA batch), a fresh 7,
     # a chunk of 4 after 6 cached tokens, a fresh 5 again (not adjacent to the first two) and a fresh 3.
+    # A bf16 cache: fresh prompts attend over their own fp32 k / v, the decode and the chunk over the
+    # cache's rounded values (their new rows included), widened to fp32.
     # query lens, cached tokens
     reqs = [(1, 9), (5, 0), (5, 0), (7, 0), (4, 6), (5, 0), (3, 0)]
     num_heads, num_kv_heads, head_dim = 6, 2, 16
@@ -130,11 +172,13 @@ def test_a_mixed_step_matches_dense_causal_attention_per_request():
     q = torch.randn(t, num_heads, head_dim, generator=gen)
     k = torch.randn(t, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(t, num_kv_heads, head_dim, generator=gen)
-    out = paged_attention(q, k, v, cache, meta, 0.3)
+    out = paged_attention(q, k, v, cache.to(cache_dtype), meta, 0.3)
     row = 0
     for (n, cached), past in zip(reqs, pasts):
         rows = slice(row, row + n)
         ks, vs = torch.cat([past[0], k[rows]]), torch.cat([past[1], v[rows]])
+        if cached:  # read back from the cache
+            ks, vs = ks.to(cache_dtype).float(), vs.to(cache_dtype).float()
         mask = torch.arange(cached + n)[None, :] <= torch.arange(cached, cached + n)[:, None]
         ref = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], ks.transpose(0, 1)[None],
                                              vs.transpose(0, 1)[None], attn_mask=mask, scale=0.3, enable_gqa=True)

@@ -106,11 +106,19 @@ def test_bad_json_exit_code_in_a_real_process():
     (["--chat-template", "no-such-file.jinja"], "neither an existing file nor a Jinja template"),
     (["--max-waiting-requests", "-1"], "--max-waiting-requests must be >= 0"),
     (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
+    (["--kv-cache-dtype", "fp8"], "kv_cache_dtype 'fp8' is not supported: fp8 KV caches are not implemented"),
+    (["--kv-cache-dtype", "int8"], "kv_cache_dtype must be one of ['auto', 'bfloat16', 'float16'], got 'int8'"),
 ])
 def test_bad_values_stop_before_loading(started, capsys, argv, message):
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
     assert not started  # the engine was never built
+
+
+def test_kv_cache_dtype_reaches_the_engine_without_a_warning(started, warnings):
+    assert main(["serve", "--kv-cache-dtype", "bfloat16"]) == 0
+    assert started["args"].kv_cache_dtype == "bfloat16" and not warnings
+    assert main(["serve"]) == 0 and started["args"].kv_cache_dtype == "auto"
 
 
 def test_vllm_api_key_env(started, monkeypatch):

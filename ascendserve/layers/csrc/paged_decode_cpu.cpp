@@ -12,10 +12,13 @@
 // Per request b and kv head h: scores[g][t] = scale * q[g] . K[t]  (pass over K), softmax over t per g, then
 // out[g] = sum_t p[g][t] V[t]  (pass over V). Accumulation in fp32 for every cache dtype.
 //
-// fp32 caches with head_dim a multiple of 16 take AVX-512 loops (where built for it; AVX2 + FMA ones,
-// 8 lanes, for a multiple of 8 where the CPU has no AVX-512): a dot product per
-// (query row, token) in registers, exp by a polynomial 16 lanes at a time, and the V pass accumulating a
-// query row's 64-float slices in registers over a block's tokens. The portable loops below them ran at
+// Queries and cache share a dtype, or fp32 queries read a bf16 / fp16 cache (--kv-cache-dtype bfloat16:
+// half the bytes, each value widened as it is loaded).
+//
+// fp32 caches with head_dim a multiple of 16 take AVX-512 loops where built for it (AVX2 + FMA ones, 8
+// lanes, take a multiple of 8 otherwise, and bf16 (a multiple of 16) / fp16 caches under fp32 queries): a
+// dot product per (query row, token) in registers, exp by a polynomial 16 lanes at a time, and the V pass
+// accumulating a query row's 64-float slices in registers over a block's tokens. The portable loops below them ran at
 // ~11 GB/s with the cache in L2/L3 (demo shapes, 8 requests x 320 tokens): bound by instructions (a
 // scalar exp per score, a reduction and the accumulator's loads and stores per token), not by memory.
 // 30 demo layers, 64 requests x 320 tokens from DRAM, both kernels in one process: 103-132 -> 84-87 ms
@@ -148,7 +151,9 @@ void item_f32_avx512(const float* qf, const float* k_ptr, const float* v_ptr, co
       _mm512_storeu_ps(out + j * head_dim + d, _mm512_mul_ps(_mm512_loadu_ps(acc + j * head_dim + d), f));
   }
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
 // The same loops for AVX2 + FMA (8 lanes; head_dim a multiple of 8). exp's 2^n goes into the exponent
 // bits (n >= -126 after the clamp, so no denormal is formed).
 inline __m256 exp256(__m256 x) {
@@ -198,61 +203,149 @@ inline float softmax_numerators_avx2(float* s, int64_t n) {
   return sum;
 }
 
-// q . k over 8 * chunks floats; two accumulators.
-inline float dot_avx2(const float* q, const float* k, int64_t chunks) {
-  __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k)), a1 = _mm256_setzero_ps();
-  int64_t c = 1;
-  for (; c + 1 < chunks; c += 2) {
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), a1);
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c + 8), _mm256_loadu_ps(k + 8 * c + 8), a0);
+// One unit of a cache row (kElems values) as kVecs fp32 vectors. Within a unit the vectors may hold the
+// values in another order, slot(i) being where value i lands: a bf16 unit is 16 values in one 256-bit
+// load, split into the even-indexed ones (shifted into the top half of each 32-bit lane) and the odd ones
+// (masked). Queries and accumulators are laid out the same way, so dot products and weighted sums do not
+// see the order, and a bf16 unit costs one load and two integer ops for two vectors.
+template <typename cache_t>
+struct Unit;
+template <>
+struct Unit<float> {
+  static constexpr int kElems = 8, kVecs = 1;
+  static void load(const float* p, __m256* v) { v[0] = _mm256_loadu_ps(p); }
+  static int slot(int i) { return i; }
+};
+template <>
+struct Unit<c10::BFloat16> {
+  static constexpr int kElems = 16, kVecs = 2;
+  static void load(const c10::BFloat16* p, __m256* v) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));                                  // values 0, 2, .., 14
+    v[1] = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(0xffff0000)));  // values 1, 3, .., 15
   }
-  if (c < chunks) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), a1);
+  static int slot(int i) { return i % 2 * 8 + i / 2; }
+};
+#if defined(__F16C__)
+template <>
+struct Unit<c10::Half> {
+  static constexpr int kElems = 8, kVecs = 1;
+  static void load(const c10::Half* p, __m256* v) {
+    v[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static int slot(int i) { return i; }
+};
+#endif
+
+// q . k over `units` units of k, q in unit order; two accumulators (a unit's two vectors, or two units).
+template <typename cache_t>
+inline float dot_units(const float* q, const cache_t* k, int64_t units) {
+  using U = Unit<cache_t>;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), kv[2];
+  int64_t u = 0;
+  if constexpr (U::kVecs == 1) {
+    for (; u + 1 < units; u += 2) {
+      U::load(k + u * U::kElems, kv);
+      U::load(k + (u + 1) * U::kElems, kv + 1);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + u * U::kElems), kv[0], a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + (u + 1) * U::kElems), kv[1], a1);
+    }
+  }
+  for (; u < units; ++u) {
+    U::load(k + u * U::kElems, kv);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + u * U::kElems), kv[0], a0);
+    if constexpr (U::kVecs == 2) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + u * U::kElems + 8), kv[1], a1);
+  }
   return hsum256(_mm256_add_ps(a0, a1));
 }
 
-// One work item of fp32 attention: item_f32_avx512's passes, token-major (each block's K and V rows
-// read once, front to back, for all of the item's query rows, the accumulators in L1). Walking a
-// block once per query row with the accumulators in registers, as the AVX-512 loops do, was twice as
-// fast with the cache in L2 but 10% slower than the portable loops from DRAM on an AMD EPYC (the
-// strided passes stalled on memory); this order, against the portable loops, interleaved: demo shapes
-// (64 x 320 tokens, 30 layers, from DRAM) 148 -> 125 ms and 131 -> 122 ms in two runs, Qwen3.5's (head_dim
-// 256) 69 -> 57 ms; from L2 0.8 -> 0.6 ms.
-void item_f32_avx2(const float* qf, const float* k_ptr, const float* v_ptr, const int64_t* table, int64_t len,
-                   int64_t h0, int64_t heads, int64_t group, int64_t head_dim, int64_t block_size,
-                   int64_t token_stride, int64_t block_stride, float* scores, float* acc, float* out) {
-  const int64_t rows_per_item = heads * group;
+// One work item of attention with AVX2 + FMA over any cache type with a Unit: item_f32_avx512's passes,
+// token-major (each block's K and V rows read once, front to back, for all of the item's query rows, the
+// accumulators in L1). qf [rows, D] are the scaled queries; qp (their unit order, when it differs) and acc
+// [rows, D] (in unit order) and scores [rows, len] are workspaces.
+// Walking a block once per query row with the accumulators in registers, as the AVX-512 loops do, was twice
+// as fast with the cache in L2 but 10% slower than the portable loops from DRAM on an AMD EPYC (the strided
+// passes stalled on memory); this order, against the portable loops, interleaved: demo shapes (64 x 320
+// tokens, 30 layers, from DRAM) 148 -> 125 ms and 131 -> 122 ms in two runs, Qwen3.5's (head_dim 256) 69 ->
+// 57 ms; from L2 0.8 -> 0.6 ms. A bf16 cache (--kv-cache-dtype bfloat16) against an fp32 one, same shapes
+// from DRAM: demo 104 -> 78 ms, Qwen3.5 36-39 -> 34-38 ms (bound by instructions more than by bytes).
+// Tried and dropped: a kv head's query rows four at a time with register accumulators (bf16 demo 63 ms, but
+// fp32 15-30% slower), and each block first copied to an fp32 buffer (slower for both).
+template <typename cache_t>
+void item_avx2(const float* qf, const cache_t* k_ptr, const cache_t* v_ptr, const int64_t* table, int64_t len,
+               int64_t h0, int64_t heads, int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride,
+               int64_t block_stride, float* qp, float* scores, float* acc, float* out) {
+  using U = Unit<cache_t>;
+  const int64_t rows_per_item = heads * group, units = head_dim / U::kElems;
+  constexpr bool permuted = U::kVecs > 1;  // a unit's values not in order (bf16)
+  const float* q = qf;                      // the queries in unit order
+  if constexpr (permuted) {
+    for (int64_t e = 0; e < rows_per_item * head_dim; e += U::kElems)  // head_dim is a multiple of kElems
+      for (int i = 0; i < U::kElems; ++i) qp[e + U::slot(i)] = qf[e + i];
+    q = qp;
+  }
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const float* kb = k_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
+    const cache_t* kb = k_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
     const int64_t rows = std::min(block_size, len - t0);
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < rows_per_item; ++j)
-        scores[j * len + t0 + r] = dot_avx2(qf + j * head_dim, kb + r * token_stride + (j / group) * head_dim,
-                                            head_dim / 8);
+      for (int64_t h = 0, j = 0; h < heads; ++h)  // query row j reads kv head h = j / group
+        for (int64_t g = 0; g < group; ++g, ++j)
+          scores[j * len + t0 + r] = dot_units(q + j * head_dim, kb + r * token_stride + h * head_dim, units);
   }
   std::vector<float> inv_sum(rows_per_item);
   for (int64_t j = 0; j < rows_per_item; ++j) inv_sum[j] = 1.f / softmax_numerators_avx2(scores + j * len, len);
   std::fill(acc, acc + rows_per_item * head_dim, 0.f);
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const float* vb = v_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
+    const cache_t* vb = v_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
     const int64_t rows = std::min(block_size, len - t0);
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < rows_per_item; ++j) {
-        const float* vt = vb + r * token_stride + (j / group) * head_dim;
-        const __m256 p = _mm256_broadcast_ss(scores + j * len + t0 + r);
-        float* aj = acc + j * head_dim;
-        for (int64_t d = 0; d < head_dim; d += 8)
-          _mm256_storeu_ps(aj + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + d), _mm256_loadu_ps(aj + d)));
+      for (int64_t h = 0, j = 0; h < heads; ++h) {
+        const cache_t* vt = vb + r * token_stride + h * head_dim;
+        for (int64_t g = 0; g < group; ++g, ++j) {
+          const __m256 p = _mm256_broadcast_ss(scores + j * len + t0 + r);
+          float* aj = acc + j * head_dim;
+          for (int64_t u = 0; u < units; ++u) {
+            __m256 vv[U::kVecs];
+            U::load(vt + u * U::kElems, vv);
+            for (int v = 0; v < U::kVecs; ++v) {
+              float* a = aj + u * U::kElems + 8 * v;
+              _mm256_storeu_ps(a, _mm256_fmadd_ps(p, vv[v], _mm256_loadu_ps(a)));
+            }
+          }
+        }
       }
   }
   for (int64_t j = 0; j < rows_per_item; ++j) {
-    const __m256 f = _mm256_set1_ps(inv_sum[j]);
-    for (int64_t d = 0; d < head_dim; d += 8)
-      _mm256_storeu_ps(out + j * head_dim + d, _mm256_mul_ps(_mm256_loadu_ps(acc + j * head_dim + d), f));
+    const float* aj = acc + j * head_dim;
+    float* oj = out + j * head_dim;
+    if constexpr (permuted) {
+      for (int64_t e = 0; e < head_dim; e += U::kElems)
+        for (int i = 0; i < U::kElems; ++i) oj[e + i] = aj[e + U::slot(i)] * inv_sum[j];
+    } else {
+      const __m256 f = _mm256_set1_ps(inv_sum[j]);
+      for (int64_t d = 0; d < head_dim; d += 8) _mm256_storeu_ps(oj + d, _mm256_mul_ps(_mm256_loadu_ps(aj + d), f));
+    }
   }
 }
+
 #endif
 
-template <typename scalar_t>
+// The cache types item_avx2 reads (those with a Unit).
+template <typename cache_t>
+constexpr bool avx2_cache_type() {
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<cache_t, c10::Half>) return true;
+#endif
+  return std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>;
+#else
+  return false;
+#endif
+}
+
+// q and out in scalar_t, the cache in cache_t (the same type, or a half-precision cache under fp32
+// queries: --kv-cache-dtype).
+template <typename scalar_t, typename cache_t>
 void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                  const at::Tensor& context_lens, double scale, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -260,8 +353,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = kv_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = k_ptr + num_blocks * block_stride;
+  const cache_t* k_ptr = kv_cache.data_ptr<cache_t>();
+  const cache_t* v_ptr = k_ptr + num_blocks * block_stride;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
@@ -282,7 +375,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
   at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     const int64_t rows_per_item = heads_per_item * group;  // query heads of one item
-    std::vector<float> qf(rows_per_item * head_dim), acc(rows_per_item * head_dim), scores, inv_sum(rows_per_item);
+    std::vector<float> qf(rows_per_item * head_dim), qp(rows_per_item * head_dim), acc(rows_per_item * head_dim);
+    std::vector<float> scores, inv_sum(rows_per_item);
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / items_per_seq, h0 = (work % items_per_seq) * heads_per_item, len = lens[b];
       const int64_t* table = tables + b * max_blocks;
@@ -290,7 +384,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
       scores.resize(rows_per_item * len);
       for (int64_t i = 0; i < rows_per_item * head_dim; ++i) qf[i] = static_cast<float>(q_item[i]) * fscale;
 #if defined(__AVX512F__)
-      if constexpr (std::is_same_v<scalar_t, float>) {
+      if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<cache_t, float>) {
         if (head_dim % 16 == 0) {
           item_f32_avx512(qf.data(), k_ptr, v_ptr, table, len, h0, heads_per_item, group, head_dim, block_size,
                           token_stride, block_stride, scores.data(), acc.data(),
@@ -298,23 +392,24 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
           continue;
         }
       }
-#elif defined(__AVX2__) && defined(__FMA__)
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        if (head_dim % 8 == 0) {
-          item_f32_avx2(qf.data(), k_ptr, v_ptr, table, len, h0, heads_per_item, group, head_dim, block_size,
-                        token_stride, block_stride, scores.data(), acc.data(),
-                        out_ptr + (b * num_heads + h0 * group) * head_dim);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<scalar_t, float> && avx2_cache_type<cache_t>()) {
+        if (head_dim % Unit<cache_t>::kElems == 0) {
+          item_avx2(qf.data(), k_ptr, v_ptr, table, len, h0, heads_per_item, group, head_dim, block_size,
+                    token_stride, block_stride, qp.data(), scores.data(), acc.data(),
+                    out_ptr + (b * num_heads + h0 * group) * head_dim);
           continue;
         }
       }
 #endif
       // Block by block: the row inside a block is a counter, not a division per token.
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const scalar_t* kb = k_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
+        const cache_t* kb = k_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
         const int64_t rows = std::min(block_size, len - t0);
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t j = 0; j < rows_per_item; ++j) {  // query row j reads kv head h0 + j / group
-            const scalar_t* kt = kb + r * token_stride + (j / group) * head_dim;
+            const cache_t* kt = kb + r * token_stride + (j / group) * head_dim;
             const float* qj = qf.data() + j * head_dim;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -335,11 +430,11 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const scalar_t* vb = v_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
+        const cache_t* vb = v_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
         const int64_t rows = std::min(block_size, len - t0);
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t j = 0; j < rows_per_item; ++j) {
-            const scalar_t* vt = vb + r * token_stride + (j / group) * head_dim;
+            const cache_t* vt = vb + r * token_stride + (j / group) * head_dim;
             const float p = scores[j * len + t0 + r];
             float* aj = acc.data() + j * head_dim;
 #pragma omp simd
@@ -360,7 +455,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_decode: q [B, Hq, D], "
               "kv_cache [2, num_blocks, block_size, Hk, D] expected");
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous(), "paged_decode: q and kv_cache must be contiguous");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "paged_decode: q and kv_cache dtypes differ");
+  const at::ScalarType qt = q.scalar_type(), ct = kv_cache.scalar_type();
+  TORCH_CHECK(qt == ct ? (qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf)
+                       : (qt == at::kFloat && (ct == at::kBFloat16 || ct == at::kHalf)),
+              "paged_decode: a ", ct, " cache under ", qt, " queries is not supported (float32, bfloat16 or float16 "
+              "for both, or a bfloat16 / float16 cache under float32 queries)");
   TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(1) % kv_cache.size(3) == 0,
               "paged_decode: head_dim or head grouping mismatch");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
@@ -368,15 +467,39 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
               context_lens.size(0) == q.size(0), "paged_decode: block_tables [B, max_blocks] and context_lens [B] "
               "int64 contiguous expected");
   at::Tensor out = at::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_impl<scalar_t>(q, kv_cache, block_tables, context_lens, scale, out);
-  });
+  if (qt == at::kFloat && ct == at::kFloat)
+    decode_impl<float, float>(q, kv_cache, block_tables, context_lens, scale, out);
+  else if (qt == at::kFloat && ct == at::kBFloat16)
+    decode_impl<float, c10::BFloat16>(q, kv_cache, block_tables, context_lens, scale, out);
+  else if (qt == at::kFloat)
+    decode_impl<float, c10::Half>(q, kv_cache, block_tables, context_lens, scale, out);
+  else if (qt == at::kBFloat16)
+    decode_impl<c10::BFloat16, c10::BFloat16>(q, kv_cache, block_tables, context_lens, scale, out);
+  else
+    decode_impl<c10::Half, c10::Half>(q, kv_cache, block_tables, context_lens, scale, out);
   return out;
+}
+
+// Rows of src_t values into dst_t cache rows: src row b starts at src + b * src_stride, goes to slot[b].
+// A float -> bfloat16 / half conversion rounds to nearest even, as torch's .to() does.
+template <typename src_t, typename dst_t>
+void store_rows(const src_t* src, int64_t src_stride, const int64_t* slot, int64_t rows, int64_t row_elems,
+                dst_t* dst) {
+  for (int64_t b = 0; b < rows; ++b) {
+    const src_t* from = src + b * src_stride;
+    dst_t* to = dst + slot[b] * row_elems;
+    if constexpr (std::is_same_v<src_t, dst_t>) {
+      std::memcpy(to, from, row_elems * sizeof(dst_t));
+    } else {
+      for (int64_t i = 0; i < row_elems; ++i) to[i] = static_cast<dst_t>(static_cast<float>(from[i]));
+    }
+  }
 }
 
 // paged_decode after storing the step's new k / v [B, Hk, D] (rows may be strided, each row's [Hk, D]
 // contiguous: the views the qkv split gives) at their cache slots: the two index_copy_ calls of a layer's
-// decode folded into the op (at one row, 60 of a demo step's ~400 op calls).
+// decode folded into the op (at one row, 60 of a demo step's ~400 op calls). k and v are in the cache's
+// dtype, or float32 into a bfloat16 / float16 cache (rounded as they are stored).
 at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                               const at::Tensor& slots, const at::Tensor& block_tables,
                               const at::Tensor& context_lens, double scale) {
@@ -387,23 +510,31 @@ at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at
   for (const at::Tensor* t : {&k, &v})
     TORCH_CHECK(t->dim() == 3 && t->size(0) == rows && t->size(1) == kv_cache.size(3) &&
                     t->size(2) == kv_cache.size(4) && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
-                    t->scalar_type() == kv_cache.scalar_type(),
-                "paged_decode_write: k and v must be [B, Hk, D] of the cache's dtype, each row contiguous");
+                    t->scalar_type() == k.scalar_type(),
+                "paged_decode_write: k and v must be [B, Hk, D] of one dtype, each row contiguous");
+  const at::ScalarType st = k.scalar_type(), ct = kv_cache.scalar_type();
+  TORCH_CHECK(st == ct || (st == at::kFloat && (ct == at::kBFloat16 || ct == at::kHalf)),
+              "paged_decode_write: ", st, " k / v into a ", ct, " cache is not supported (the cache's dtype, or "
+              "float32 into a bfloat16 / float16 cache)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows,
               "paged_decode_write: slots must be [B] int64");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < rows; ++b)
     TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "paged_decode_write: slot ", slot[b], " outside the cache's ",
                 num_slots);
-  const int64_t elem = kv_cache.element_size();
-  char* k_cache = static_cast<char*>(kv_cache.data_ptr());
-  char* v_cache = k_cache + num_slots * row_elems * elem;
-  const char* k_src = static_cast<const char*>(k.data_ptr());
-  const char* v_src = static_cast<const char*>(v.data_ptr());
-  for (int64_t b = 0; b < rows; ++b) {
-    std::memcpy(k_cache + slot[b] * row_elems * elem, k_src + b * k.stride(0) * elem, row_elems * elem);
-    std::memcpy(v_cache + slot[b] * row_elems * elem, v_src + b * v.stride(0) * elem, row_elems * elem);
-  }
+  auto store = [&](auto src_type, auto cache_type) {
+    using src_t = decltype(src_type);
+    using cache_t = decltype(cache_type);
+    cache_t* k_cache = kv_cache.data_ptr<cache_t>();
+    store_rows(k.data_ptr<src_t>(), k.stride(0), slot, rows, row_elems, k_cache);
+    store_rows(v.data_ptr<src_t>(), v.stride(0), slot, rows, row_elems, k_cache + num_slots * row_elems);
+  };
+  if (st == ct && ct == at::kFloat) store(float(), float());
+  else if (st == ct && ct == at::kBFloat16) store(c10::BFloat16(), c10::BFloat16());
+  else if (st == ct && ct == at::kHalf) store(c10::Half(), c10::Half());
+  else if (ct == at::kBFloat16) store(float(), c10::BFloat16());
+  else if (ct == at::kHalf) store(float(), c10::Half());
+  else TORCH_CHECK(false, "paged_decode_write: ", ct, " caches are not supported");
   return paged_decode(q, kv_cache, block_tables, context_lens, scale);
 }
 
