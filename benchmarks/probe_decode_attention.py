@@ -10,6 +10,8 @@ size 16, K/V gathered block by block from a cache shared by all sequences. Varia
            engine: allocated by the first layer of a step, reused by the others), so the gathered
            copy does not fault in fresh pages every call (the layer after this change)
   gather / gather_ws   the block gather alone, into fresh memory / into the kept buffer
+  kernel / kernel_bf16 the C++ op the engine runs on CPU (ascendserve/layers/csrc/paged_decode_cpu.cpp), over
+           the fp32 cache and over a bf16 copy of it (--kv-cache-dtype bfloat16), when the kernels build
 Median ms per call, variants interleaved call by call; max abs diff of ws vs gqa.
 
     .venv/bin/python benchmarks/probe_decode_attention.py [--batches 8,64] [--contexts 256,512,1024]
@@ -22,6 +24,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from ascendserve.layers import cpu_kernels
 
 MODELS = {"smol (9q/3kv, D=64)": (9, 3, 64), "qwen3.5 (8q/2kv, D=256)": (8, 2, 256)}
 BLOCK_SIZE = 16
@@ -75,6 +79,10 @@ def probe(hq, hk, d, b, ctx, rounds):
                 "ws": lambda: grouped_ws(q, kv_cache, tables, mask, scale, buf),
                 "gather": lambda: gather(kv_cache, tables),
                 "gather_ws": lambda: torch.index_select(kv_cache, 1, tables.view(-1), out=buf)}
+    if (kernels := cpu_kernels.ops()) is not None:
+        flat_tables, kv_bf16 = tables.contiguous(), kv_cache.bfloat16()
+        variants["kernel"] = lambda: kernels.paged_decode(q, kv_cache, flat_tables, lens, scale)
+        variants["kernel_bf16"] = lambda: kernels.paged_decode(q, kv_bf16, flat_tables, lens, scale)
     diff = (variants["gqa"]() - variants["ws"]()).abs().max().item()
     samples = {name: [] for name in variants}
     names = list(variants)
@@ -98,14 +106,14 @@ def main() -> None:
         torch.set_num_threads(ns.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median ms per layer call, "
           f"{ns.rounds} interleaved rounds")
-    cols = ["gqa", "grouped", "ws", "gather", "gather_ws"]
-    print(f"{'model':<26}{'B':>4}{'ctx':>6}" + "".join(f"{c:>10}" for c in cols) + f"{'ws/gqa':>9}  maxdiff")
+    cols = ["gqa", "grouped", "ws", "gather", "gather_ws"] + (["kernel", "kernel_bf16"] if cpu_kernels.ops() else [])
+    print(f"{'model':<26}{'B':>4}{'ctx':>6}" + "".join(f"{c:>12}" for c in cols) + f"{'ws/gqa':>9}  maxdiff")
     with torch.inference_mode():
         for label, (hq, hk, d) in MODELS.items():
             for b in (int(x) for x in ns.batches.split(",")):
                 for ctx in (int(x) for x in ns.contexts.split(",")):
                     t, diff = probe(hq, hk, d, b, ctx, ns.rounds)
-                    print(f"{label:<26}{b:>4}{ctx:>6}" + "".join(f"{t[c]:10.3f}" for c in cols)
+                    print(f"{label:<26}{b:>4}{ctx:>6}" + "".join(f"{t[c]:12.3f}" for c in cols)
                           + f"{t['gqa'] / t['ws']:8.2f}x  {diff:.1e}")
 
 
