@@ -119,8 +119,13 @@ def test_kernel_refuses_a_cache_dtype_it_does_not_read_and_attention_falls_back(
     with pytest.raises(RuntimeError, match="Half cache under BFloat16 queries is not supported"):
         kernels.paged_decode(q, cache, meta.decode_block_tables, meta.decode_context_lens, 0.25)
     with pytest.raises(RuntimeError, match="BFloat16 k / v into a Half cache is not supported"):
-        kernels.paged_decode_write(q, k, v, cache, meta.slot_mapping, meta.decode_block_tables,
+        kernels.paged_decode_write(q.float(), k, v, cache, meta.slot_mapping, meta.decode_block_tables,
                                    meta.decode_context_lens, 0.25)
+    before = cache.clone()  # k / v of the cache's dtype, but the queries' pair refused: nothing is stored
+    with pytest.raises(RuntimeError, match="Half cache under BFloat16 queries is not supported"):
+        kernels.paged_decode_write(q, k.half(), v.half(), cache, meta.slot_mapping, meta.decode_block_tables,
+                                   meta.decode_context_lens, 0.25)
+    assert torch.equal(cache, before)
     out = paged_attention(q, k, v, cache, meta, 0.25)
     assert out.dtype == torch.bfloat16
     for i, past in enumerate(histories):

@@ -450,16 +450,21 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
   });
 }
 
+// The query / cache dtype pairs decode_impl is built for.
+void check_dtypes(at::ScalarType qt, at::ScalarType ct) {
+  TORCH_CHECK(qt == ct ? (qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf)
+                       : (qt == at::kFloat && (ct == at::kBFloat16 || ct == at::kHalf)),
+              "paged_decode: a ", ct, " cache under ", qt, " queries is not supported (float32, bfloat16 or float16 "
+              "for both, or a bfloat16 / float16 cache under float32 queries)");
+}
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_decode: q [B, Hq, D], "
               "kv_cache [2, num_blocks, block_size, Hk, D] expected");
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous(), "paged_decode: q and kv_cache must be contiguous");
   const at::ScalarType qt = q.scalar_type(), ct = kv_cache.scalar_type();
-  TORCH_CHECK(qt == ct ? (qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf)
-                       : (qt == at::kFloat && (ct == at::kBFloat16 || ct == at::kHalf)),
-              "paged_decode: a ", ct, " cache under ", qt, " queries is not supported (float32, bfloat16 or float16 "
-              "for both, or a bfloat16 / float16 cache under float32 queries)");
+  check_dtypes(qt, ct);
   TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(1) % kv_cache.size(3) == 0,
               "paged_decode: head_dim or head grouping mismatch");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
@@ -513,6 +518,7 @@ at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at
                     t->scalar_type() == k.scalar_type(),
                 "paged_decode_write: k and v must be [B, Hk, D] of one dtype, each row contiguous");
   const at::ScalarType st = k.scalar_type(), ct = kv_cache.scalar_type();
+  check_dtypes(q.scalar_type(), ct);  // before anything is stored
   TORCH_CHECK(st == ct || (st == at::kFloat && (ct == at::kBFloat16 || ct == at::kHalf)),
               "paged_decode_write: ", st, " k / v into a ", ct, " cache is not supported (the cache's dtype, or "
               "float32 into a bfloat16 / float16 cache)");
