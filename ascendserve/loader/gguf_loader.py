@@ -88,12 +88,8 @@ def _open(path: str) -> GGUFFile:
         raise UnsupportedGGUFError(str(e)) from None
 
 
-def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    return reader.get(key, default)
-
-
 def _architecture(reader: GGUFFile, path: str) -> str:
-    arch = _field(reader, "general.architecture")
+    arch = reader.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise UnsupportedGGUFError(f"{path}: GGUF architecture {arch!r} is not supported; "
                                    f"supported: {sorted(_ARCHITECTURES)}")
@@ -119,7 +115,7 @@ def load_gguf_config(path: str) -> PretrainedConfig:
 
 def _config_kwargs(reader: GGUFFile, arch: str, tensors: dict) -> dict[str, Any]:
     def get(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        return reader.get(f"{arch}.{key}", default)
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
@@ -128,7 +124,7 @@ def _config_kwargs(reader: GGUFFile, arch: str, tensors: dict) -> dict[str, Any]
     embed = tensors.get("token_embd.weight")
     vocab = int(embed.shape[-1]) if embed is not None else get("vocab_size")
     if not vocab:
-        vocab = len(_field(reader, "tokenizer.ggml.tokens", []))
+        vocab = len(reader.get("tokenizer.ggml.tokens", []))
     kwargs = {
         "vocab_size": int(vocab),
         "hidden_size": hidden,
@@ -144,7 +140,7 @@ def _config_kwargs(reader: GGUFFile, arch: str, tensors: dict) -> dict[str, Any]
     }
     for key, gguf_key in (("bos_token_id", "bos"), ("eos_token_id", "eos"),
                           ("pad_token_id", "padding")):
-        value = _field(reader, f"tokenizer.ggml.{gguf_key}_token_id")
+        value = reader.get(f"tokenizer.ggml.{gguf_key}_token_id")
         if value is not None:
             kwargs[key] = int(value)
     return kwargs
@@ -152,21 +148,21 @@ def _config_kwargs(reader: GGUFFile, arch: str, tensors: dict) -> dict[str, Any]
 
 def _rope_parameters(reader: GGUFFile, arch: str, tensors: dict,
                      head_dim: int) -> dict[str, Any]:
-    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    theta = float(reader.get(f"{arch}.rope.freq_base", 10000.0))
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
-    factor = _field(reader, f"{arch}.rope.scaling.factor") or _field(reader, f"{arch}.rope.scale_linear")
+    scaling = reader.get(f"{arch}.rope.scaling.type")
+    factor = reader.get(f"{arch}.rope.scaling.factor") or reader.get(f"{arch}.rope.scale_linear")
     if scaling in ("linear", "yarn") or (scaling is None and factor):
         if not factor:
             raise UnsupportedGGUFError(f"rope scaling type {scaling!r} is set without a factor")
         params.update(rope_type=scaling or "linear", factor=float(factor))
-        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        original = reader.get(f"{arch}.rope.scaling.original_context_length")
         if scaling == "yarn" and original:
             params["original_max_position_embeddings"] = int(original)
     elif scaling not in (None, "none"):
         raise UnsupportedGGUFError(f"rope scaling type {scaling!r} is not supported")
     if "rope_freqs.weight" in tensors:
-        rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+        rope_dim = int(reader.get(f"{arch}.rope.dimension_count", head_dim))
         params.update(_llama3_rope(_dequantize(tensors["rope_freqs.weight"]), theta, rope_dim))
     return params
 
@@ -210,7 +206,7 @@ def _llama3_divisors(theta: float, rope_dim: int, p: dict[str, Any]) -> np.ndarr
 def _config_dtype(reader: GGUFFile) -> torch.dtype:
     # The precision of the unquantized source: F32 files compute in float32, BF16 in bfloat16; F16
     # and quantized files in float16 (llama.cpp's scales are float16). Platforms may override.
-    file_type = _field(reader, "general.file_type")
+    file_type = reader.get("general.file_type")
     if file_type == gguf.LlamaFileType.ALL_F32:
         return torch.float32
     if file_type == gguf.LlamaFileType.MOSTLY_BF16:
@@ -247,7 +243,7 @@ def load_gguf_tokenizer(path: str, **kwargs: Any):
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                   **kwargs)
     if getattr(tokenizer, "chat_template", None) is None:
-        template = _field(_open(path), "tokenizer.chat_template")
+        template = _open(path).get("tokenizer.chat_template")
         if template:
             tokenizer.chat_template = template
     if cached is not None and not os.path.isdir(cached):
@@ -292,8 +288,8 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """
     reader = _open(path)
     arch = _architecture(reader, path)
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+    heads = int(reader.get(f"{arch}.attention.head_count"))
+    kv_heads = int(reader.get(f"{arch}.attention.head_count_kv", heads))
     logger.info("Loading %d GGUF tensors (%s) from %s", len(reader.tensors), arch, path)
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED:
