@@ -209,7 +209,9 @@ inline float softmax_numerators_avx2(float* s, int64_t n) {
 // (masked). Queries and accumulators are laid out the same way, so dot products and weighted sums do not
 // see the order, and a bf16 unit costs one load and two integer ops for two vectors.
 template <typename cache_t>
-struct Unit;
+struct Unit {
+  static constexpr int kElems = 0;  // no AVX2 loads for this cache type: the portable loops read it
+};
 template <>
 struct Unit<float> {
   static constexpr int kElems = 8, kVecs = 1;
@@ -330,19 +332,6 @@ void item_avx2(const float* qf, const cache_t* k_ptr, const cache_t* v_ptr, cons
 
 #endif
 
-// The cache types item_avx2 reads (those with a Unit).
-template <typename cache_t>
-constexpr bool avx2_cache_type() {
-#if defined(__AVX2__) && defined(__FMA__)
-#if defined(__F16C__)
-  if constexpr (std::is_same_v<cache_t, c10::Half>) return true;
-#endif
-  return std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>;
-#else
-  return false;
-#endif
-}
-
 // q and out in scalar_t, the cache in cache_t (the same type, or a half-precision cache under fp32
 // queries: --kv-cache-dtype).
 template <typename scalar_t, typename cache_t>
@@ -394,7 +383,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
       }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-      if constexpr (std::is_same_v<scalar_t, float> && avx2_cache_type<cache_t>()) {
+      if constexpr (std::is_same_v<scalar_t, float> && Unit<cache_t>::kElems > 0) {
         if (head_dim % Unit<cache_t>::kElems == 0) {
           item_avx2(qf.data(), k_ptr, v_ptr, table, len, h0, heads_per_item, group, head_dim, block_size,
                     token_stride, block_stride, qp.data(), scores.data(), acc.data(),
