@@ -1,14 +1,14 @@
-"""A/B of whole decode steps: MKL-packed linears on/off, grouped decode attention vs the GQA path before it.
+"""A/B of whole decode steps: the fp32 linears on each GEMM (the C++ panel kernel, oneDNN's, MKL's).
 
-One engine (fp32, packed linears) gets B requests (prompt_len random tokens, greedy, ignore_eos) and
-runs until all are decoding; then the variants take turns, one `step()` each per round (order
-rotating), and the median ms per step of each is printed with tokens/s. Variants, switched by
-patching between steps:
-  new        packed linears, grouped decode attention (this tree)
-  no-pack    PackedLinear.forward replaced by plain F.linear (as ASCENDSERVE_PACKED_LINEAR=0)
-  gqa-attn   the decode attention before (SDPA enable_gqa, fresh gather per layer)
-  before     both: plain F.linear and the decode attention before
-The context grows by four tokens per round (one per variant).
+One engine (fp32; its fp32 linears made PanelLinear, ASCENDSERVE_FP32_GEMM=panel) gets B requests (prompt_len
+random tokens, greedy, ignore_eos) and runs until all are decoding; then the variants take turns, one `step()`
+each per round (order rotating), and the median ms per step of each is printed with tokens/s. Variants,
+switched by patching PanelLinear.forward between steps:
+  panel      the C++ kernel on the layer's panels (csrc/f32_linear_cpu.cpp)
+  onednn     oneDNN's GEMM on the layer's fp32 weight (DenseLinear's product)
+  mkl        F.linear on it (MKL's sgemm)
+Layers that are not PanelLinear (the demo's 4-bit / 8-bit copies up to 32 / 24 rows, bf16 weights) run as
+they would. The context grows by three tokens per round (one per variant).
 
     .venv/bin/python benchmarks/probe_decode_step.py [--model PATH] [--batches 1,8,16,64]
         [--prompt-len 256] [--rounds 12] [--threads N] [--kv-gib 2] [--layers N]
@@ -28,22 +28,16 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ascendserve.layers import attention
-from ascendserve.layers.linear import PackedLinear
+from ascendserve.layers import linear
+from ascendserve.layers.linear import PanelLinear
 
 
-def decode_before(q, kv_cache, meta, scale):
-    """The decode path before the grouped-query rewrite (kept here as the A/B baseline)."""
-    num_decodes, num_blocks = meta.decode_block_tables.shape
-    ks = kv_cache[0][meta.decode_block_tables].view(num_decodes, -1, *kv_cache.shape[-2:])
-    vs = kv_cache[1][meta.decode_block_tables].view(num_decodes, -1, *kv_cache.shape[-2:])
-    q, ks, vs = q.unsqueeze(1).transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, ks, vs, attn_mask=meta.decode_mask, scale=scale,
-                                         enable_gqa=q.shape[1] != ks.shape[1])
-    return out.transpose(1, 2)[:, 0]
+def onednn_forward(self, x):
+    return linear._onednn_linear(x.reshape(-1, self.in_features).contiguous(), self.weight,
+                                 self.bias).reshape(*x.shape[:-1], self.out_features)
 
 
-def plain_forward(self, x):
+def mkl_forward(self, x):
     return F.linear(x, self.weight, self.bias)
 
 
@@ -76,9 +70,7 @@ def stop(llm, batch: int, tag: str) -> None:
 
 
 def run_batch(llm, batch: int, prompt_len: int, rounds: int, vocab: int) -> dict[str, float]:
-    grouped, packed = attention._decode, PackedLinear.forward
-    variants = {"new": (packed, grouped), "no-pack": (plain_forward, grouped),
-                "gqa-attn": (packed, decode_before), "before": (plain_forward, decode_before)}
+    variants = {"panel": PanelLinear.forward, "onednn": onednn_forward, "mkl": mkl_forward}
     start(llm, batch, prompt_len, vocab, "r")
     samples = {name: [] for name in variants}
     names = list(variants)
@@ -86,13 +78,13 @@ def run_batch(llm, batch: int, prompt_len: int, rounds: int, vocab: int) -> dict
         for r in range(rounds + 1):
             for j in range(len(names)):
                 name = names[(j + r) % len(names)]
-                PackedLinear.forward, attention._decode = variants[name]
+                PanelLinear.forward = variants[name]
                 t0 = time.perf_counter()
                 llm.llm_engine.step()
                 if r:  # round 0 warms every path up
                     samples[name].append(time.perf_counter() - t0)
     finally:
-        PackedLinear.forward, attention._decode = packed, grouped
+        PanelLinear.forward = variants["panel"]
     stop(llm, batch, "r")
     return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
 
@@ -115,18 +107,20 @@ def main() -> None:
         from qwen3_5_speed import checkpoint
         path = checkpoint(os.path.join(tempfile.gettempdir(), "ascendserve-bench"))
     batches = [int(b) for b in ns.batches.split(",")]
-    max_len = ns.prompt_len + 4 * ns.rounds + 64
+    os.environ[linear.FP32_GEMM_ENV_VAR] = "panel"
+    max_len = ns.prompt_len + 3 * ns.rounds + 64
     llm = build(path, max_len, max(batches), int(ns.kv_gib * 2**30), ns.layers)
     vocab = llm.llm_engine.vocab_size
     layers = f" ({ns.layers} layers)" if ns.layers else ""
     print(f"model {ns.model or 'demo'}{layers}, torch {torch.__version__}, {torch.get_num_threads()} threads, prompt "
           f"{ns.prompt_len} tokens, {ns.rounds} interleaved rounds; median ms per decode step (tok/s)")
-    print(f"{'B':>4}" + "".join(f"{name:>18}" for name in ("new", "no-pack", "gqa-attn", "before"))
-          + f"{'new/before':>12}")
+    panels = sum(isinstance(m, PanelLinear) for m in llm.llm_engine.runner.model.modules())
+    print(f"{panels} PanelLinear layers")
+    print(f"{'B':>4}" + "".join(f"{name:>18}" for name in ("panel", "onednn", "mkl")) + f"{'onednn/panel':>14}")
     for batch in batches:
         t = run_batch(llm, batch, ns.prompt_len, ns.rounds, vocab)
         print(f"{batch:>4}" + "".join(f"{t[n]:9.1f} ({batch * 1e3 / t[n]:5.0f})" for n in t)
-              + f"{t['before'] / t['new']:11.2f}x", flush=True)
+              + f"{t['onednn'] / t['panel']:13.2f}x", flush=True)
 
 
 if __name__ == "__main__":

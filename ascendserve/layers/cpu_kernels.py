@@ -1,7 +1,8 @@
 """C++ kernels for CPUs, compiled on first use with torch's extension builder and cached.
 
 Only what plain torch cannot do without extra memory traffic lives here: paged decode attention
-(csrc/paged_decode_cpu.cpp), the linears that keep bf16, 4-bit or 8-bit weights and compute in fp32
+(csrc/paged_decode_cpu.cpp), an fp32 GEMM on weights packed at load (csrc/f32_linear_cpu.cpp), the linears
+that keep bf16, 4-bit or 8-bit weights and compute in fp32
 (csrc/bf16_linear_cpu.cpp, csrc/q4_linear_cpu.cpp, csrc/q8_linear_cpu.cpp; the 4-bit one also with int8
 activations, `--activation-quantization int8`), the Gated DeltaNet decode
 step and prefill, each in one op (csrc/gdn_decode_cpu.cpp, csrc/gdn_prefill_cpu.cpp), the gated MLP's
@@ -31,7 +32,7 @@ from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ["paged_decode_cpu.cpp", "bf16_linear_cpu.cpp", "q4_linear_cpu.cpp", "q8_linear_cpu.cpp",
+_SOURCES = ["paged_decode_cpu.cpp", "f32_linear_cpu.cpp", "bf16_linear_cpu.cpp", "q4_linear_cpu.cpp", "q8_linear_cpu.cpp",
             "gdn_decode_cpu.cpp", "gdn_prefill_cpu.cpp", "silu_and_mul_cpu.cpp", "rms_norm_cpu.cpp", "rope_cpu.cpp",
             "argmax_cpu.cpp"]
 STALE_LOCK_SECONDS = 900  # a build takes ~30 s to ~3 min; a lock older than this is left by a killed build
@@ -85,8 +86,8 @@ def _load():
                        "and ninja, or set ASCENDSERVE_CPU_KERNELS=0 to silence this.",
                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
-    logger.info("CPU kernels (paged decode attention, bf16, 4-bit and 8-bit weight linears, Gated DeltaNet, "
-                "SiLU-and-mul, RMSNorm, rotary, argmax) ready in %.1f s", time.perf_counter() - start)
+    logger.info("CPU kernels (paged decode attention, fp32 GEMM, bf16, 4-bit and 8-bit weight linears, Gated "
+                "DeltaNet, SiLU-and-mul, RMSNorm, rotary, argmax) ready in %.1f s", time.perf_counter() - start)
     return torch.ops.ascendserve_cpu
 
 

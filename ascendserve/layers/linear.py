@@ -1,4 +1,5 @@
-"""fp32 linear layers for CPU: an MKL pre-packed weight (PackedLinear) or oneDNN's GEMM (DenseLinear).
+"""fp32 linear layers for CPU: the weight in panels for the C++ GEMM (PanelLinear), an MKL pre-packed weight
+(PackedLinear) or oneDNN's GEMM (DenseLinear); fp32_gemm() probes which of the three a process uses.
 
 MKL's sgemm copies the weight into its internal panel layout on every call; at decode batch sizes
 that copy dominates and F.linear streams weights at only 4-10 GB/s. `cblas_sgemm_pack` does it once
@@ -40,6 +41,7 @@ each of a model's layers its form.
 """
 
 import functools
+import os
 import statistics
 import time
 
@@ -53,38 +55,87 @@ from ascendserve.logger import init_logger
 logger = init_logger(__name__)
 
 ENV_VAR = "ASCENDSERVE_PACKED_LINEAR"
-ONEDNN_ENV_VAR = "ASCENDSERVE_ONEDNN_LINEAR"  # 1 / 0: oneDNN's / MKL's fp32 GEMM; unset: the faster (probed)
-ONEDNN_MARGIN = 0.9  # oneDNN is chosen when its probe time is below this share of MKL's
+FP32_GEMM_ENV_VAR = "ASCENDSERVE_FP32_GEMM"  # panel / onednn / mkl: that GEMM; unset: the fastest (probed)
+FP32_GEMMS = ("panel", "onednn", "mkl")
+PROBE_ROWS = (64, 256)  # the probe's batches: a decode step's and a prefill chunk's
 PACK_ROWS = 64  # the m each weight is packed for
 MIN_PACKED_ROWS = 4  # below, F.linear (MKL's gemv) was as fast, or faster for K >= 1024
 MAX_PACKED_ROWS = 128  # above, F.linear was as fast or faster (prefill)
 
 
+def _forced_gemm() -> str | None:
+    value = os.environ.get(FP32_GEMM_ENV_VAR, "").strip().lower()
+    if value and value not in FP32_GEMMS:
+        raise ValueError(f"{FP32_GEMM_ENV_VAR}={value!r} is not one of {', '.join(FP32_GEMMS)}")
+    return value or None
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _panel_ops():
+    """The CPU kernels when their tiles are compiled for SIMD (compact_linear.tile_kernels), else None."""
+    from ascendserve.layers.compact_linear import tile_kernels  # here: compact_linear imports this module
+    return tile_kernels()
+
+
 @functools.cache
-def onednn_gemm_faster() -> bool:
-    """Whether fp32 CPU linears multiply with oneDNN's GEMM rather than MKL's: ASCENDSERVE_ONEDNN_LINEAR
-    when set, else whether oneDNN ran a probe GEMM (256 x 1024 by 2048 x 1024) in under ONEDNN_MARGIN
-    of MKL's time, both timed in turn, once per process. On an AMD EPYC (AVX2) oneDNN was 1.2-1.9x
-    faster from 32 rows on (the demo's shapes: 117-123 vs 90-100 GFLOP/s at 2048 rows, its lm_head at 64
-    rows 40 vs 79 ms); on the Intel Xeons of earlier runs MKL's GEMM ran near the cores' peak."""
-    available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    forced = env_switch(ONEDNN_ENV_VAR)
-    if forced is not None or not available:
-        return bool(forced) and available
-    x, weight = torch.randn(256, 1024), torch.randn(2048, 1024) * 0.03
-    gemms = {"MKL": lambda: F.linear(x, weight), "oneDNN": lambda: _onednn_linear(x, weight, None)}
+def gemm_probe_ms() -> dict[str, float]:
+    """Median ms of each available fp32 GEMM ("panel": the C++ kernel's, on its pack; "onednn"; "mkl": F.linear)
+    for a 2048 x 1024 weight, summed over batches of PROBE_ROWS rows, each timed in turn, once per process."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(2048, 1024, generator=gen) * 0.03
+    xs = [torch.randn(rows, 1024, generator=gen) for rows in PROBE_ROWS]
+    gemms = {"mkl": lambda x: F.linear(x, weight)}
+    if _onednn_available():
+        gemms["onednn"] = lambda x: _onednn_linear(x, weight, None)
+    if (kernels := _panel_ops()) is not None:
+        panels = kernels.f32_pack(weight)
+        gemms["panel"] = lambda x: kernels.f32_linear(x, panels, weight.shape[0], None)
     times: dict[str, list[float]] = {name: [] for name in gemms}
-    for rep in range(6):  # the first round warms both up and is not counted
+    for rep in range(6):  # the first round warms each up and is not counted
         for name, gemm in gemms.items():
             start = time.perf_counter()
-            gemm()
+            for x in xs:
+                gemm(x)
             if rep:
                 times[name].append(time.perf_counter() - start)
-    mkl, onednn = (statistics.median(times[name]) * 1e3 for name in ("MKL", "oneDNN"))
-    faster = onednn < ONEDNN_MARGIN * mkl
-    logger.info("fp32 GEMM probe (256 x 1024 by 2048 x 1024): oneDNN %.2f ms, MKL %.2f ms: %s for fp32 linears; "
-                "%s=0/1 picks one", onednn, mkl, "oneDNN" if faster else "MKL", ONEDNN_ENV_VAR)
-    return faster
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    logger.info("fp32 GEMM probe (%s x 1024 rows by 2048 x 1024): %s; %s=%s picks one",
+                " + ".join(map(str, PROBE_ROWS)), ", ".join(f"{name} {t:.2f} ms" for name, t in ms.items()),
+                FP32_GEMM_ENV_VAR, "|".join(FP32_GEMMS))
+    return ms
+
+
+def fp32_gemm() -> str:
+    """The GEMM fp32 CPU linears multiply with (prepack.py makes their layers for it): ASCENDSERVE_FP32_GEMM
+    when set, else the fastest in gemm_probe_ms(). On the 2-vCPU AMD EPYC (AVX2) the panel kernel was the fastest
+    at every batch size up to 64 rows and level at prefill sizes (csrc/f32_linear_cpu.cpp), and oneDNN's 1.2-1.9x
+    faster than MKL's from 32 rows on; on the Intel Xeons of earlier runs MKL's GEMM ran near the cores' peak."""
+    forced = _forced_gemm()
+    if forced == "onednn" and not _onednn_available() or forced == "panel" and _panel_ops() is None:
+        logger.warning("%s=%s: not available here; probing the others", FP32_GEMM_ENV_VAR, forced)
+        forced = None
+    if forced:
+        return forced
+    ms = gemm_probe_ms()
+    if _panel_ops() is None:  # probed before the CPU kernels were turned off (ASCENDSERVE_CPU_KERNELS=0)
+        ms = {name: t for name, t in ms.items() if name != "panel"}
+    return min(ms, key=ms.get)
+
+
+def onednn_gemm_faster() -> bool:
+    """Whether a weight made for one call (widened from bf16, dequantized) multiplies with oneDNN's GEMM rather than
+    MKL's: ASCENDSERVE_FP32_GEMM=onednn / mkl when set, else whether oneDNN's probe time is below MKL's (the panel
+    kernel would need a pack made per call; at prefill sizes it is level with oneDNN)."""
+    if not _onednn_available():
+        return False
+    forced = _forced_gemm()
+    if forced in ("onednn", "mkl"):
+        return forced == "onednn"
+    ms = gemm_probe_ms()
+    return ms["onednn"] < ms["mkl"]
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -104,7 +155,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 class DenseLinear(nn.Module):
     """y = x @ W.T + b on an fp32 CPU weight by dense_linear (oneDNN's GEMM): what an nn.Linear becomes
-    where oneDNN's GEMM measured faster than MKL's (MKL's pack, PackedLinear, is then not made)."""
+    where oneDNN's GEMM probed the fastest (fp32_gemm; MKL's pack, PackedLinear, is then not made)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -117,6 +168,34 @@ class DenseLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class PanelLinear(nn.Module):
+    """y = x @ W.T + b on an fp32 CPU weight also held as panels of 16 outputs (csrc/f32_linear_cpu.cpp), for
+    every batch: what an nn.Linear becomes where that GEMM probed the fastest (fp32_gemm)."""
+
+    def __init__(self, linear: nn.Linear, kernels) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same Parameter: ties (embedding / lm_head) survive
+        self.register_parameter("bias", linear.bias)
+        self.kernels = kernels
+        # A copy beside the weight (which the tied embedding and a compiled forward read), not in the state dict.
+        self.register_buffer("panels", kernels.f32_pack(self.weight.detach()), persistent=False)
+
+    def pack_bytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # inductor lowers F.linear itself
+            return F.linear(x, self.weight, self.bias)
+        flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
+        out = self.kernels.f32_linear(flat, self.panels, self.out_features, self.bias)
+        return out if flat is x else out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               "panels of 16 outputs"
 
 
 def packing_supported() -> bool:

@@ -15,14 +15,15 @@ from ascendserve.logger import init_logger
 logger = init_logger(__name__)
 
 STAT_KEYS = ("packed", "weight_bytes", "pack_bytes", "padded", "bf16", "bf16_bytes", "q4", "q4_bytes", "q8",
-             "q8_bytes", "onednn", "int8_activations")
+             "q8_bytes", "onednn", "panel", "panel_bytes", "int8_activations")
 
 
 def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[str, int]:
     """Replace the model's fp32 CPU nn.Linear layers in place; returns counts and bytes.
 
-    All bf16 values -> Bf16Linear. Else DenseLinear where oneDNN's GEMM is the faster
-    (onednn_gemm_faster), or PackedLinear (MKL's packed GEMM, unless ASCENDSERVE_PACKED_LINEAR=0),
+    All bf16 values -> Bf16Linear. Else, by the fp32 GEMM that probed the fastest (linear.fp32_gemm), PanelLinear
+    (the C++ kernel's panels), DenseLinear (oneDNN's GEMM) or PackedLinear (MKL's packed GEMM, unless
+    ASCENDSERVE_PACKED_LINEAR=0),
     wrapped in a Q4Linear for small batches when the values are a 4-bit grid per 32 inputs (a
     dequantized Q4_0 / Q4_1 GGUF), or in a Q8Linear when they are an 8-bit one (Q8_0). Bf16Linear,
     Q4Linear and Q8Linear need the CPU kernels and ASCENDSERVE_COMPACT_WEIGHTS not 0. int8_activations: the
@@ -70,8 +71,14 @@ def _cpu_form(child: nn.Linear, int8_activations: bool, stats: dict[str, int],
 
 
 def _fp32_form(child: nn.Linear, stats: dict[str, int], any_rows_by_shape: dict[tuple[int, int], bool]) -> nn.Module:
-    """DenseLinear where oneDNN's GEMM is the faster, else PackedLinear where MKL packs, else the layer itself."""
-    if linear.onednn_gemm_faster():  # probed once: here, or at a bf16 layer's first large batch
+    """PanelLinear or DenseLinear where the C++ kernel's or oneDNN's GEMM is the fastest, else PackedLinear where
+    MKL packs, else the layer itself."""
+    gemm = linear.fp32_gemm()  # probed once: here, or at a bf16 layer's first large batch
+    if gemm == "panel":
+        layer = linear.PanelLinear(child, tile_kernels())
+        _count(stats, "panel", layer.pack_bytes())
+        return layer
+    if gemm == "onednn":
         stats["onednn"] += 1
         return linear.DenseLinear(child)
     if not linear.packing_supported():
@@ -111,6 +118,10 @@ def _log_linears(stats: dict[str, int]) -> None:
                     "8-bit (%.1f MiB more) for batches of up to %d rows, multiplied in fp32 by the CPU kernel; "
                     "%s=0 turns this off", stats["q8"], Q8_GROUP, stats["q8_bytes"] / 2**20, Q8_KERNEL_MAX_ROWS,
                     COMPACT_ENV_VAR)
+    if stats["panel"]:
+        logger.info("%d fp32 linear layers also kept as panels for the C++ GEMM (the fastest here; %.1f MiB more "
+                    "memory); %s=onednn|mkl picks another", stats["panel"], stats["panel_bytes"] / 2**20,
+                    linear.FP32_GEMM_ENV_VAR)
     if stats["packed"]:
         low, high = linear.MIN_PACKED_ROWS, linear.PACK_ROWS if stats["padded"] else linear.MAX_PACKED_ROWS
         rows = f"{low}..{high} rows" + (f" padded to {high} on {stats['padded']} layers (this MKL needs it)"

@@ -15,12 +15,10 @@ def kernels():
 
 @pytest.fixture
 def force_gemm(monkeypatch):
-    """force(onednn): fp32 linears use oneDNN's GEMM (True) or MKL's (False) instead of the probe's pick."""
+    """force(gemm): fp32 linears use that GEMM ("panel", "onednn" or "mkl") instead of the probe's pick."""
     from ascendserve.layers import linear
 
-    def force(onednn: bool) -> None:
-        monkeypatch.setenv(linear.ONEDNN_ENV_VAR, "1" if onednn else "0")
-        linear.onednn_gemm_faster.cache_clear()
+    def force(gemm: str) -> None:
+        monkeypatch.setenv(linear.FP32_GEMM_ENV_VAR, gemm)
 
-    yield force
-    linear.onednn_gemm_faster.cache_clear()  # the next caller probes again, with the environment restored
+    return force

@@ -9,7 +9,10 @@ from ascendserve.layers import linear
 
 def fp32_layer_type() -> type:
     """What prepack_linears_ makes of a plain fp32 CPU nn.Linear on this machine."""
-    if linear.onednn_gemm_faster():
+    gemm = linear.fp32_gemm()
+    if gemm == "panel":
+        return linear.PanelLinear
+    if gemm == "onednn":
         return linear.DenseLinear
     return linear.PackedLinear if linear.packing_supported() else nn.Linear
 

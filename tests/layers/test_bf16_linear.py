@@ -9,6 +9,7 @@ from torch import nn
 from ascendserve.layers import cpu_kernels
 from ascendserve.layers import compact_linear
 from ascendserve.layers.compact_linear import Bf16Embedding, Bf16Linear, bf16_valued, pack_bf16
+from ascendserve.layers.linear import PanelLinear
 from ascendserve.layers.prepack import compact_embeddings_, prepack_linears_
 from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows, fp32_layer_type
 
@@ -152,8 +153,11 @@ def test_bf16_weights_stay_fp32_when_turned_off(monkeypatch, env):
     monkeypatch.setenv(env, "0")
     monkeypatch.delitem(cpu_kernels._state, "ops", raising=False)  # loaded again, under the switch
     model = _TiedLM()
-    assert prepack_linears_(model)["bf16"] == 0
+    stats = prepack_linears_(model)
+    assert stats["bf16"] == 0
     assert not any(isinstance(m, Bf16Linear) for m in model.modules())
+    if env == "ASCENDSERVE_CPU_KERNELS":  # nor the C++ GEMM's panels, whatever the probe found
+        assert stats["panel"] == 0 and not any(isinstance(m, PanelLinear) for m in model.modules())
 
 
 def test_kernels_report_their_simd_tiles_as_the_cpu_has_them(kernels):
@@ -181,5 +185,8 @@ def test_without_simd_tiles_weights_stay_fp32(kernels, monkeypatch):
     # The portable loops are slower than MKL's fp32 GEMM: such a CPU keeps the fp32 layers.
     monkeypatch.setitem(cpu_kernels._state, "ops", _WithoutSimd(kernels))
     model = _TiedLM()
-    assert prepack_linears_(model)["bf16"] == 0
+    stats = prepack_linears_(model)
+    assert stats["bf16"] == 0
     assert not any(isinstance(m, Bf16Linear) for m in model.modules())
+    # nor the C++ GEMM's panels, whatever the probe found
+    assert stats["panel"] == 0 and not any(isinstance(m, PanelLinear) for m in model.modules())

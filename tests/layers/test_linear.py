@@ -1,5 +1,5 @@
-"""PackedLinear (MKL-packed fp32 weights) and DenseLinear (oneDNN's GEMM): equal to F.linear at every batch size,
-ties kept, no-op off CPU fp32; the probe that picks between the two GEMMs."""
+"""PanelLinear (the C++ GEMM's panels), PackedLinear (MKL-packed fp32 weights) and DenseLinear (oneDNN's GEMM): equal
+to F.linear at every batch size, ties kept, no-op off CPU fp32; the probe that picks among the three GEMMs."""
 
 import logging
 
@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ascendserve.layers import linear as packed
-from ascendserve.layers.linear import DenseLinear, PackedLinear, dense_linear, packing_supported
+from ascendserve.layers.linear import DenseLinear, PackedLinear, PanelLinear, dense_linear, packing_supported
 from ascendserve.layers.prepack import prepack_linears_
+from tests.layers.kernel_checks import assert_fp32_product
 
 pytestmark = pytest.mark.skipif(not packing_supported(), reason="torch without MKL's packed GEMM")
 
@@ -58,7 +59,7 @@ class _TiedLM(nn.Module):
 
 
 def test_prepack_swaps_linears_and_keeps_the_tie(caplog, force_gemm):
-    force_gemm(onednn=False)
+    force_gemm("mkl")
     model = _TiedLM()
     weight_ptr = model.embed_tokens.weight.data_ptr()
     num_params = len(list(model.parameters()))
@@ -79,14 +80,14 @@ def test_prepack_swaps_linears_and_keeps_the_tie(caplog, force_gemm):
 @pytest.mark.parametrize("dtype, device", [(torch.bfloat16, "cpu"), (torch.float32, "meta")])
 def test_prepack_is_a_no_op_off_cpu_fp32(dtype, device, monkeypatch):
     probes = []
-    monkeypatch.setattr(packed, "onednn_gemm_faster", lambda: probes.append(1) or True)
+    monkeypatch.setattr(packed, "fp32_gemm", lambda: probes.append(1) or "onednn")
     model = nn.Sequential(nn.Linear(32, 32, dtype=dtype, device=device))
     assert prepack_linears_(model)["packed"] == 0
     assert type(model[0]) is nn.Linear and not probes  # no GEMM probe without an fp32 CPU layer
 
 
 def test_prepack_is_a_no_op_when_turned_off(monkeypatch, force_gemm):
-    force_gemm(onednn=False)
+    force_gemm("mkl")
     monkeypatch.setenv(packed.ENV_VAR, "0")
     model = nn.Sequential(nn.Linear(32, 32))
     assert prepack_linears_(model)["packed"] == 0
@@ -100,7 +101,7 @@ needs_onednn = pytest.mark.skipif(not hasattr(torch.ops.mkldnn, "_linear_pointwi
 @needs_onednn
 @pytest.mark.parametrize("bias", [True, False])
 def test_dense_linear_on_onednn_equals_f_linear(bias, force_gemm):
-    force_gemm(onednn=True)
+    force_gemm("onednn")
     torch.manual_seed(0)
     linear = nn.Linear(576, 960, bias=bias)
     layer = DenseLinear(linear)
@@ -115,7 +116,7 @@ def test_dense_linear_on_onednn_equals_f_linear(bias, force_gemm):
 
 @needs_onednn
 def test_prepack_makes_dense_linears_on_onednn_and_keeps_the_tie(force_gemm):
-    force_gemm(onednn=True)
+    force_gemm("onednn")
     model = _TiedLM()
     stats = prepack_linears_(model)
     assert type(model.proj) is DenseLinear and type(model.lm_head) is DenseLinear
@@ -126,16 +127,83 @@ def test_prepack_makes_dense_linears_on_onednn_and_keeps_the_tie(force_gemm):
 
 
 @needs_onednn
-def test_the_gemm_probe_times_both_once_and_an_environment_choice_skips_it(monkeypatch, caplog, force_gemm):
-    monkeypatch.delenv(packed.ONEDNN_ENV_VAR, raising=False)
-    packed.onednn_gemm_faster.cache_clear()
-    with caplog.at_level(logging.INFO):
-        picked = packed.onednn_gemm_faster()
-        assert packed.onednn_gemm_faster() is picked  # cached: one probe a process
-    assert caplog.text.count("fp32 GEMM probe") == 1 and ("oneDNN" if picked else "MKL") + " for fp32" in caplog.text
-    for value, expected in (("1", True), ("0", False)):
-        force_gemm(onednn=expected)
+def test_the_gemm_probe_times_each_once_and_an_environment_choice_skips_it(monkeypatch, caplog, force_gemm, kernels):
+    monkeypatch.delenv(packed.FP32_GEMM_ENV_VAR, raising=False)
+    packed.gemm_probe_ms.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO):
+            picked = packed.fp32_gemm()
+            assert packed.fp32_gemm() == picked  # cached: one probe a process
+            packed.onednn_gemm_faster()  # the same probe's times
+        assert caplog.text.count("fp32 GEMM probe") == 1
+        ms = packed.gemm_probe_ms()
+        assert set(ms) == {"panel", "onednn", "mkl"} and picked == min(ms, key=ms.get)
+        assert packed.onednn_gemm_faster() is (ms["onednn"] < ms["mkl"])
+    finally:
+        packed.gemm_probe_ms.cache_clear()
+    for gemm in packed.FP32_GEMMS:
+        force_gemm(gemm)
         caplog.clear()
         with caplog.at_level(logging.INFO):
-            assert packed.onednn_gemm_faster() is expected
+            assert packed.fp32_gemm() == gemm
+            if gemm != "panel":
+                assert packed.onednn_gemm_faster() is (gemm == "onednn")
         assert "probe" not in caplog.text
+    force_gemm("fastest")
+    with pytest.raises(ValueError, match="ASCENDSERVE_FP32_GEMM='fastest' is not one of panel, onednn, mkl"):
+        packed.fp32_gemm()
+
+
+# -- the C++ GEMM on panels of 16 outputs (PanelLinear), where the probe finds it the fastest --------------------
+# k: one depth block, and 1300 = three blocks of 434 (csrc/f32_linear_cpu.cpp splits k above 640); n: whole panels
+# and a last panel of 4 outputs; rows: the 6-row tiles' edges, a 72-row block and more.
+@pytest.mark.parametrize("k, n", [(576, 960), (1300, 100)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_panel_linear_equals_f_linear(kernels, k, n, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(k, n, bias=bias)
+    layer = PanelLinear(linear, kernels)
+    assert layer.weight is linear.weight and layer.panels.shape == ((n + 15) // 16, k, 16)
+    assert set(layer.state_dict()) == {"weight"} | ({"bias"} if bias else set())  # the panels are not saved
+    for rows in (*range(1, 14), 64, 72, 73, 150, 300):
+        x = torch.randn(rows, k)
+        assert_fp32_product(layer(x), x, linear)
+        assert_fp32_product(kernels.f32_linear_portable(x, layer.panels, n, linear.bias), x, linear)
+    x = torch.randn(2, 6, k)[:, ::2]  # leading dims flattened, a non-contiguous input copied
+    assert torch.allclose(layer(x), F.linear(x, linear.weight, linear.bias), atol=1e-4)
+    assert layer(torch.randn(0, k)).shape == (0, n)
+
+
+def test_panel_linear_checks_its_operands(kernels):
+    panels = kernels.f32_pack(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="x has 9 columns, the weight 8"):
+        kernels.f32_linear(torch.randn(3, 9), panels, 20, None)
+    with pytest.raises(RuntimeError, match="n=40 does not match 2 panels"):
+        kernels.f32_linear(torch.randn(3, 8), panels, 40, None)
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous fp32 \[N\] tensor"):
+        kernels.f32_linear(torch.randn(3, 8), panels, 20, torch.randn(19))
+    with pytest.raises(RuntimeError, match=r"x must be a contiguous fp32 \[M, K\] tensor"):
+        kernels.f32_linear(torch.randn(3, 8).double(), panels, 20, None)
+
+
+def test_panel_linear_keeps_f_linear_under_compile(kernels, monkeypatch):
+    linear = nn.Linear(32, 48)
+    layer = PanelLinear(linear, kernels)
+    monkeypatch.setattr(kernels, "f32_linear", None, raising=False)  # must not be reached
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    x = torch.randn(5, 32)
+    assert torch.equal(layer(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_prepack_makes_panel_linears_and_keeps_the_tie(force_gemm, caplog):
+    force_gemm("panel")
+    model = _TiedLM()
+    with caplog.at_level(logging.INFO):
+        stats = prepack_linears_(model)
+    assert type(model.proj) is PanelLinear and type(model.lm_head) is PanelLinear
+    assert stats["panel"] == 2 and stats["panel_bytes"] == (2 * 32 + 7 * 32) * 16 * 4
+    assert stats["packed"] == stats["onednn"] == 0 and "2 fp32 linear layers also kept as panels" in caplog.text
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert set(model.state_dict()) == {"embed_tokens.weight", "proj.weight", "proj.bias", "lm_head.weight"}
+    x = torch.randn(300, 32)
+    assert torch.allclose(model.lm_head(x), x @ model.embed_tokens.weight.t(), atol=1e-5)

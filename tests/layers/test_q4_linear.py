@@ -214,7 +214,7 @@ def test_prepack_with_int8_activations_counts_the_4bit_layers(kernels):
     # no fp32 layer (nor an MKL pack) is made for the 4-bit one: only the plain fp32 layer is counted
     assert not hasattr(model.grid.dense, "weight") and stats["q4"] == 1
     assert type(model.fp32) is fp32_layer_type()
-    assert stats["packed"] + stats["onednn"] == (fp32_layer_type() is not nn.Linear)
+    assert stats["packed"] + stats["onednn"] + stats["panel"] == (fp32_layer_type() is not nn.Linear)
     plain = nn.Module()
     plain.grid = _grid_linear(64, 64, True)
     assert prepack_linears_(plain)["int8_activations"] == 0 and not plain.grid.int8_activations

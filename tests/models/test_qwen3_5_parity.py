@@ -24,7 +24,7 @@ from ascendserve.config import EngineArgs
 from ascendserve.engine.llm_engine import LLMEngine
 from ascendserve.layers import cpu_kernels
 from ascendserve.layers.compact_linear import Bf16Embedding, Bf16Linear
-from ascendserve.layers.linear import DenseLinear, PackedLinear
+from ascendserve.layers.linear import DenseLinear, PackedLinear, PanelLinear
 from ascendserve.layers.mrope import MRotaryEmbedding, interleaved_axis_of_slots
 from ascendserve.worker.kv_budget import KVCacheTooSmallError
 from ascendserve.worker.model_runner import build_state_metadata
@@ -143,7 +143,7 @@ def test_bf16_checkpoint_runs_in_fp32_from_bf16_weights(checkpoints, budget):
         assert json.load(f)["dtype"] == "bfloat16"
     llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=budget)
     model = llm.llm_engine.runner.model
-    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, Bf16Linear, DenseLinear, PackedLinear))]
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, Bf16Linear, DenseLinear, PackedLinear, PanelLinear))]
     assert linears and all(isinstance(m, Bf16Linear) for m in linears), {type(m).__name__ for m in linears}
     # tied, and the lm_head now bf16 panels of its own: the fp32 table is freed
     assert isinstance(model.model.embed_tokens, Bf16Embedding)
