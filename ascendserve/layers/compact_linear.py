@@ -18,7 +18,7 @@ Above BF16_KERNEL_MAX_ROWS (prefill chunks, compute-bound) the layer widens the 
 for that call and runs the dense GEMM where that is faster than the kernel: on the Xeons above MKL's GEMM
 was 10-30% faster there, and the widening (a few ms per layer) is small beside it; on the 2-vCPU AMD
 EPYC (AVX2) the kernel was the faster (Qwen3.5's layer shapes, 2048 rows: 154 vs 131 GFLOP/s widened into
-oneDNN's GEMM; 512 rows: 175 vs 123). bf16_kernel_for_large_batches() times the two once per process.
+oneDNN's GEMM; 512 rows: 175 vs 123). bf16_kernel_for_large_batches() chooses by the tiles' instruction set.
 ASCENDSERVE_COMPACT_WEIGHTS=0 keeps such layers in fp32.
 
 4-bit grid, fp32 compute (Q4Linear): a Q4_0 / Q4_1 GGUF (the demo model is Q4_1) is dequantized at load
@@ -35,25 +35,18 @@ form for larger batches and holds the 4-bit copy beside it.
 Q8_0, so its lm_head, 113 MB of fp32 and the largest read of a single-stream decode step, reads 32 MB.
 """
 
-import functools
 import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ascendserve.layers.linear import dense_linear
-from ascendserve.logger import init_logger
-
-logger = init_logger(__name__)
 
 COMPACT_ENV_VAR = "ASCENDSERVE_COMPACT_WEIGHTS"  # 0: bf16- and 4-bit-valued weights stay fp32
 PANEL_ROWS = 32  # output rows per panel of the bf16 and 4-bit packs (csrc/*_linear_cpu.cpp)
 BF16_KERNEL_MAX_ROWS = 256  # above, widen the weight for the call and use the dense GEMM, where that is faster
-BF16_LARGE_ENV_VAR = "ASCENDSERVE_BF16_LARGE_BATCHES"  # kernel / widen: above BF16_KERNEL_MAX_ROWS; unset: probed
-BF16_PROBE_ROWS = 1024
+BF16_LARGE_ENV_VAR = "ASCENDSERVE_BF16_LARGE_BATCHES"  # kernel / widen: above BF16_KERNEL_MAX_ROWS; unset: by ISA
 Q4_GROUP = 32  # inputs per (d, m) block of the 4-bit grid (csrc/q4_linear_cpu.cpp), GGUF's block size
 Q4_KERNEL_MAX_ROWS = 32  # above, the fp32 layer (MKL): see Q4Linear
 Q8_GROUP = 32  # inputs per d of the 8-bit grid (csrc/q8_linear_cpu.cpp), GGUF Q8_0's block size
@@ -118,39 +111,20 @@ class Bf16Linear(KernelLinear):
         return dense_linear(x, self.kernels.bf16_unpack(self.packed, self.out_features), self.bias)
 
 
-@functools.cache
 def bf16_kernel_for_large_batches() -> bool:
     """Whether Bf16Linear multiplies batches above BF16_KERNEL_MAX_ROWS with its kernel rather than widening the
-    weight into the dense GEMM (dense_linear): ASCENDSERVE_BF16_LARGE_BATCHES=kernel / widen when set, else
-    whichever ran a BF16_PROBE_ROWS-row batch by a 2048 x 1024 bf16 weight faster (median of 3, after a warm-up;
-    once per process, ~0.3 s)."""
+    weight into the dense GEMM (dense_linear): ASCENDSERVE_BF16_LARGE_BATCHES=kernel / widen when set, else the
+    kernel where its tiles are AVX2 (the AMD EPYC: 1.17x faster at 2048 rows), the widened weight where they are
+    AVX-512 (the Xeons: MKL's GEMM 10-30% faster). Not probed at load: a probe GEMM small enough to time at start-up
+    (1024 rows by a cache-resident 2048 x 1024 weight) came out 0.94-1.20x between processes and picked the slower
+    path once in three (run 52)."""
     forced = os.environ.get(BF16_LARGE_ENV_VAR, "").strip().lower()
     if forced in ("kernel", "widen"):
         return forced == "kernel"
     if forced:
         raise ValueError(f"{BF16_LARGE_ENV_VAR}={forced!r} is not one of kernel, widen")
     kernels = tile_kernels()
-    if kernels is None:
-        return False
-    gen = torch.Generator().manual_seed(0)
-    weight = (torch.randn(2048, 1024, generator=gen) * 0.03).bfloat16().float()
-    x = torch.randn(BF16_PROBE_ROWS, 1024, generator=gen)
-    packed = pack_bf16(weight)
-    ways = {"kernel": lambda: kernels.bf16_linear(x, packed, 2048, None),
-            "widen": lambda: dense_linear(x, kernels.bf16_unpack(packed, 2048))}
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for rep in range(4):  # the first round warms both up and is not counted
-        for name, way in ways.items():
-            start = time.perf_counter()
-            way()
-            if rep:
-                times[name].append(time.perf_counter() - start)
-    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    on_kernel = ms["kernel"] < ms["widen"]
-    logger.info("bf16 layers above %d rows (probe, %d rows by 2048 x 1024): kernel %.1f ms, widened into the dense "
-                "GEMM %.1f ms: the %s; %s=kernel|widen picks one", BF16_KERNEL_MAX_ROWS, BF16_PROBE_ROWS,
-                ms["kernel"], ms["widen"], "kernel" if on_kernel else "widened weight", BF16_LARGE_ENV_VAR)
-    return on_kernel
+    return kernels is not None and kernels.tile_lanes() == 8
 
 
 class GridLinear(KernelLinear):

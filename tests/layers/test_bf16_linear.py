@@ -62,11 +62,9 @@ class _Recording:
 @pytest.mark.parametrize("large", ["widen", "kernel"])
 def test_layer_above_the_kernel_rows_widens_the_weight_or_keeps_the_kernel(kernels, monkeypatch, large):
     monkeypatch.setenv(compact_linear.BF16_LARGE_ENV_VAR, large)
-    compact_linear.bf16_kernel_for_large_batches.cache_clear()
     layer = _bf16_valued_linear(576, 96, True)
     recording = _Recording(kernels)
     bf16 = Bf16Linear(layer, recording)
-    compact_linear.bf16_kernel_for_large_batches.cache_clear()  # the next caller probes, the environment restored
     assert bf16.large_on_kernel is (large == "kernel")
     for rows in (1, compact_linear.BF16_KERNEL_MAX_ROWS, compact_linear.BF16_KERNEL_MAX_ROWS + 1, 700):
         x = torch.randn(rows, 576)
@@ -78,24 +76,15 @@ def test_layer_above_the_kernel_rows_widens_the_weight_or_keeps_the_kernel(kerne
     assert bf16.packed.dtype == torch.bfloat16 and bf16.packed.numel() * 2 == 576 * 96 * 2
 
 
-def test_the_large_batch_probe_times_both_once_and_an_environment_choice_skips_it(kernels, monkeypatch, caplog):
+def test_large_batches_take_the_kernel_on_avx2_tiles_unless_the_environment_says(kernels, monkeypatch):
     monkeypatch.delenv(compact_linear.BF16_LARGE_ENV_VAR, raising=False)
-    compact_linear.bf16_kernel_for_large_batches.cache_clear()
-    try:
-        with caplog.at_level(logging.INFO):
-            picked = compact_linear.bf16_kernel_for_large_batches()
-            assert compact_linear.bf16_kernel_for_large_batches() is picked  # cached: one probe a process
-        assert caplog.text.count("bf16 layers above 256 rows (probe") == 1
-        for value in ("kernel", "widen"):
-            compact_linear.bf16_kernel_for_large_batches.cache_clear()
-            monkeypatch.setenv(compact_linear.BF16_LARGE_ENV_VAR, value)
-            assert compact_linear.bf16_kernel_for_large_batches() is (value == "kernel")
-        compact_linear.bf16_kernel_for_large_batches.cache_clear()
-        monkeypatch.setenv(compact_linear.BF16_LARGE_ENV_VAR, "dense")
-        with pytest.raises(ValueError, match="ASCENDSERVE_BF16_LARGE_BATCHES='dense' is not one of kernel, widen"):
-            compact_linear.bf16_kernel_for_large_batches()
-    finally:
-        compact_linear.bf16_kernel_for_large_batches.cache_clear()
+    assert compact_linear.bf16_kernel_for_large_batches() is (kernels.tile_lanes() == 8)
+    for value in ("kernel", "widen"):
+        monkeypatch.setenv(compact_linear.BF16_LARGE_ENV_VAR, value)
+        assert compact_linear.bf16_kernel_for_large_batches() is (value == "kernel")
+    monkeypatch.setenv(compact_linear.BF16_LARGE_ENV_VAR, "dense")
+    with pytest.raises(ValueError, match="ASCENDSERVE_BF16_LARGE_BATCHES='dense' is not one of kernel, widen"):
+        compact_linear.bf16_kernel_for_large_batches()
 
 
 def test_kernel_rejects_mismatched_inputs(kernels):

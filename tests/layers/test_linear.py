@@ -155,9 +155,9 @@ def test_the_gemm_probe_times_each_once_and_an_environment_choice_skips_it(monke
 
 
 # -- the C++ GEMM on panels of 16 outputs (PanelLinear), where the probe finds it the fastest --------------------
-# k: one depth block, and 1300 = three blocks of 434 (csrc/f32_linear_cpu.cpp splits k above 640); n: whole panels
-# and a last panel of 4 outputs; rows: the 6-row tiles' edges, a 72-row block and more.
-@pytest.mark.parametrize("k, n", [(576, 960), (1300, 100)])
+# k: one depth block (also an odd one), and 1300 = three blocks of 434 (csrc/f32_linear_cpu.cpp splits k above 640);
+# n: whole panels, a last panel of 4 outputs, one panel of 5; rows: the 6-row tiles' edges, a 72-row block and more.
+@pytest.mark.parametrize("k, n", [(576, 960), (1300, 100), (37, 5)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_panel_linear_equals_f_linear(kernels, k, n, bias):
     torch.manual_seed(0)
