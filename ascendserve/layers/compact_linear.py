@@ -116,8 +116,8 @@ def bf16_kernel_for_large_batches() -> bool:
     weight into the dense GEMM (dense_linear): ASCENDSERVE_BF16_LARGE_BATCHES=kernel / widen when set, else the
     kernel where its tiles are AVX2 (the AMD EPYC: 1.17x faster at 2048 rows), the widened weight where they are
     AVX-512 (the Xeons: MKL's GEMM 10-30% faster). Not probed at load: a probe GEMM small enough to time at start-up
-    (1024 rows by a cache-resident 2048 x 1024 weight) came out 0.94-1.20x between processes and picked the slower
-    path once in three (run 52)."""
+    (1024 rows by a cache-resident 2048 x 1024 weight) timed the widened path at 0.94-1.22x the kernel's between
+    processes and picked the slower path once in three (run 52)."""
     forced = os.environ.get(BF16_LARGE_ENV_VAR, "").strip().lower()
     if forced in ("kernel", "widen"):
         return forced == "kernel"
@@ -129,7 +129,7 @@ def bf16_kernel_for_large_batches() -> bool:
 
 class GridLinear(KernelLinear):
     """A compact copy of an fp32 layer whose values lie on a grid, for batches of up to max_rows rows;
-    larger batches run the fp32 layer it wraps (`dense`: a PackedLinear, or the nn.Linear)."""
+    larger batches run the fp32 layer it wraps (`dense`: its fp32 form from prepack.py, e.g. a PanelLinear)."""
 
     def __init__(self, dense: nn.Module, kernels) -> None:
         super().__init__(dense, kernels)
@@ -176,7 +176,7 @@ class Q4Panels:
 class Q4Linear(Q4Panels, GridLinear):
     """The 4-bit copy (W = d * q + m per 32 inputs) of an fp32 layer, for batches of up to max_rows rows.
 
-    Larger batches run the fp32 layer it wraps (`dense`: a PackedLinear, or the nn.Linear): there
+    Larger batches run the fp32 layer it wraps (`dense`: its fp32 form from prepack.py, e.g. a PanelLinear): there
     MKL's GEMM on fp32 beats the 4-bit kernel, which spends its time widening nibbles. Measured in the
     engine (the demo model, decode steps of B rows at 256-token contexts, the bound switched between
     steps of one process, median ms a step), kernel up to 6 rows vs up to 64:

@@ -32,9 +32,9 @@ from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ["paged_decode_cpu.cpp", "f32_linear_cpu.cpp", "bf16_linear_cpu.cpp", "q4_linear_cpu.cpp", "q8_linear_cpu.cpp",
-            "gdn_decode_cpu.cpp", "gdn_prefill_cpu.cpp", "silu_and_mul_cpu.cpp", "rms_norm_cpu.cpp", "rope_cpu.cpp",
-            "argmax_cpu.cpp"]
+_SOURCES = ["paged_decode_cpu.cpp", "f32_linear_cpu.cpp", "bf16_linear_cpu.cpp", "q4_linear_cpu.cpp",
+            "q8_linear_cpu.cpp", "gdn_decode_cpu.cpp", "gdn_prefill_cpu.cpp", "silu_and_mul_cpu.cpp",
+            "rms_norm_cpu.cpp", "rope_cpu.cpp", "argmax_cpu.cpp"]
 STALE_LOCK_SECONDS = 900  # a build takes ~30 s to ~3 min; a lock older than this is left by a killed build
 _lock = threading.Lock()
 _state: dict = {}  # "ops": the loaded op namespace or None once a load was tried
