@@ -201,8 +201,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
               packed.size(2) == kPanel && packed.size(3) == 2, "bf16_linear: packed must be [N/32, K/2, 32, 2] bf16");
   const int64_t m_rows = x.size(0), k = x.size(1), panels = packed.size(0), kpairs = packed.size(1);
   TORCH_CHECK(k == 2 * kpairs, "bf16_linear: x has ", k, " columns, the weight ", 2 * kpairs);
-  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "bf16_linear: n=", n, " does not match ", panels,
-              " panels");
+  ascendserve_panel::check_outputs(n, panels, kPanel, "bf16_linear");
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "bf16_linear");
   at::Tensor out = at::empty({m_rows, n}, x.options());
   if (m_rows == 0) return out;
@@ -233,8 +232,7 @@ at::Tensor bf16_unpack(const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
               packed.size(2) == kPanel && packed.size(3) == 2, "bf16_unpack: packed must be [N/32, K/2, 32, 2] bf16");
   const int64_t panels = packed.size(0), kpairs = packed.size(1), k = 2 * kpairs;
-  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "bf16_unpack: n=", n, " does not match ", panels,
-              " panels");
+  ascendserve_panel::check_outputs(n, panels, kPanel, "bf16_unpack");
   at::Tensor out = at::empty({n, k}, packed.options().dtype(at::kFloat));
   const uint32_t* w_ptr = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   uint32_t* out_ptr = reinterpret_cast<uint32_t*>(out.data_ptr<float>());

@@ -175,8 +175,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
               packed.size(2) == kTileCols, "f32_linear: packed must be fp32 [N/16, K, 16]");
   const int64_t m_rows = x.size(0), k = x.size(1), panels = packed.size(0);
   TORCH_CHECK(k == packed.size(1), "f32_linear: x has ", k, " columns, the weight ", packed.size(1));
-  TORCH_CHECK(n > (panels - 1) * kTileCols && n <= panels * kTileCols, "f32_linear: n=", n, " does not match ",
-              panels, " panels");
+  ascendserve_panel::check_outputs(n, panels, kTileCols, "f32_linear");
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "f32_linear");
   at::Tensor out = at::empty({m_rows, n}, x.options());
   if (m_rows == 0) return out;

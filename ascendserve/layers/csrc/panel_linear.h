@@ -39,6 +39,11 @@ inline const float* checked_bias(const c10::optional<at::Tensor>& bias, int64_t 
   return bias->data_ptr<float>();
 }
 
+// Checks that n outputs fill `panels` panels of `width` outputs each, the last one at least partly.
+inline void check_outputs(int64_t n, int64_t panels, int64_t width, const char* op) {
+  TORCH_CHECK(n > (panels - 1) * width && n <= panels * width, op, ": n=", n, " does not match ", panels, " panels");
+}
+
 // tile(p, m0, rows, cols) for every panel p and block of up to kRows rows from row m0 (cols: the
 // panel's real output rows, fewer in the last). Threads split the panels; each walks its panels once
 // per chunk of rows, a chunk's x slice (at most about kChunkBytes of k fp32 inputs) staying in the

@@ -215,7 +215,7 @@ int64_t check_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tens
   for (const at::Tensor* t : {&scales, &mins})
     TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == panels &&
                 t->size(1) == groups && t->size(2) == kPanel, op, ": scales and mins must be [N/32, K/G, 32] fp32");
-  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, op, ": n=", n, " does not match ", panels, " panels");
+  ascendserve_panel::check_outputs(n, panels, kPanel, op);
   return group;
 }
 

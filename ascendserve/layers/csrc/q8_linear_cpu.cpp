@@ -179,8 +179,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sc
               "q8_linear: scales must be [N/32, K/G, 32] fp32");
   const int64_t groups = scales.size(1), group = k / groups;
   TORCH_CHECK(group * groups == k, "q8_linear: K=", k, " is not ", groups, " equal blocks");
-  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "q8_linear: n=", n, " does not match ", panels,
-              " panels");
+  ascendserve_panel::check_outputs(n, panels, kPanel, "q8_linear");
   TORCH_CHECK(x.size(1) == k, "q8_linear: x has ", x.size(1), " columns, the weight ", k);
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "q8_linear");
   const int64_t m_rows = x.size(0);
