@@ -140,8 +140,13 @@ def warn_no_effect_flags(ns: argparse.Namespace) -> list[str]:
 
 def check_flags(ns: argparse.Namespace) -> None:
     """Fail fast (before loading the model) on values that cannot work; raises ValueError."""
+    from ascendserve.layers.compact_linear import forced_bf16_large_batches
+    from ascendserve.layers.linear import forced_gemm
     from ascendserve.parsers.reasoning import get_reasoning_parser
     from ascendserve.parsers.tool import get_tool_parser
+
+    forced_gemm()  # the CPU linears' environment switches: an unknown value stops here, not mid-load
+    forced_bf16_large_batches()
 
     if ns.reasoning_parser:
         get_reasoning_parser(ns.reasoning_parser)

@@ -111,6 +111,14 @@ class Bf16Linear(KernelLinear):
         return dense_linear(x, self.kernels.bf16_unpack(self.packed, self.out_features), self.bias)
 
 
+def forced_bf16_large_batches() -> str | None:
+    """ASCENDSERVE_BF16_LARGE_BATCHES's value, kernel or widen (None when unset); ValueError for another."""
+    value = os.environ.get(BF16_LARGE_ENV_VAR, "").strip().lower()
+    if value and value not in ("kernel", "widen"):
+        raise ValueError(f"{BF16_LARGE_ENV_VAR}={value!r} is not one of kernel, widen")
+    return value or None
+
+
 def bf16_kernel_for_large_batches() -> bool:
     """Whether Bf16Linear multiplies batches above BF16_KERNEL_MAX_ROWS with its kernel rather than widening the
     weight into the dense GEMM (dense_linear): ASCENDSERVE_BF16_LARGE_BATCHES=kernel / widen when set, else the
@@ -118,11 +126,9 @@ def bf16_kernel_for_large_batches() -> bool:
     AVX-512 (the Xeons: MKL's GEMM 10-30% faster). Not probed at load: a probe GEMM small enough to time at start-up
     (1024 rows by a cache-resident 2048 x 1024 weight) timed the widened path at 0.94-1.22x the kernel's between
     processes and picked the slower path once in three (run 52)."""
-    forced = os.environ.get(BF16_LARGE_ENV_VAR, "").strip().lower()
-    if forced in ("kernel", "widen"):
-        return forced == "kernel"
+    forced = forced_bf16_large_batches()
     if forced:
-        raise ValueError(f"{BF16_LARGE_ENV_VAR}={forced!r} is not one of kernel, widen")
+        return forced == "kernel"
     kernels = tile_kernels()
     return kernels is not None and kernels.tile_lanes() == 8
 

@@ -62,7 +62,8 @@ MIN_PACKED_ROWS = 4  # below, F.linear (MKL's gemv) was as fast, or faster for K
 MAX_PACKED_ROWS = 128  # above, F.linear was as fast or faster (prefill)
 
 
-def _forced_gemm() -> str | None:
+def forced_gemm() -> str | None:
+    """ASCENDSERVE_FP32_GEMM's value (None when unset); ValueError for one outside FP32_GEMMS."""
     value = os.environ.get(FP32_GEMM_ENV_VAR, "").strip().lower()
     if value and value not in FP32_GEMMS:
         raise ValueError(f"{FP32_GEMM_ENV_VAR}={value!r} is not one of {', '.join(FP32_GEMMS)}")
@@ -113,7 +114,7 @@ def fp32_gemm() -> str:
     when set, else the fastest in gemm_probe_ms(). On the 2-vCPU AMD EPYC (AVX2) the panel kernel was the fastest
     at every batch size up to 64 rows and level at prefill sizes (csrc/f32_linear_cpu.cpp), and oneDNN's 1.2-1.9x
     faster than MKL's from 32 rows on; on the Intel Xeons of earlier runs MKL's GEMM ran near the cores' peak."""
-    forced = _forced_gemm()
+    forced = forced_gemm()
     if forced == "onednn" and not _onednn_available() or forced == "panel" and _panel_ops() is None:
         logger.warning("%s=%s: not available here; probing the others", FP32_GEMM_ENV_VAR, forced)
         forced = None
@@ -131,7 +132,7 @@ def onednn_gemm_faster() -> bool:
     kernel would need a pack made per call; at prefill sizes it is level with oneDNN)."""
     if not _onednn_available():
         return False
-    forced = _forced_gemm()
+    forced = forced_gemm()
     if forced in ("onednn", "mkl"):
         return forced == "onednn"
     ms = gemm_probe_ms()

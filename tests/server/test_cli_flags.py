@@ -115,6 +115,17 @@ def test_bad_values_stop_before_loading(started, capsys, argv, message):
     assert not started  # the engine was never built
 
 
+@pytest.mark.parametrize("env, message", [
+    ("ASCENDSERVE_FP32_GEMM", "ASCENDSERVE_FP32_GEMM='bogus' is not one of panel, onednn, mkl"),
+    ("ASCENDSERVE_BF16_LARGE_BATCHES", "ASCENDSERVE_BF16_LARGE_BATCHES='bogus' is not one of kernel, widen"),
+])
+def test_bad_kernel_environment_stops_before_loading(started, capsys, monkeypatch, env, message):
+    monkeypatch.setenv(env, "bogus")
+    assert main(["serve"]) == 2
+    assert message in capsys.readouterr().err
+    assert not started
+
+
 def test_kv_cache_dtype_reaches_the_engine_without_a_warning(started, warnings):
     assert main(["serve", "--kv-cache-dtype", "bfloat16"]) == 0
     assert started["args"].kv_cache_dtype == "bfloat16" and not warnings
