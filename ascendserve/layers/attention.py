@@ -85,12 +85,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for seq in meta.prefills:
         rows = slice(seq.token_start, seq.token_end)
         if seq.kv_slots is None:  # fresh prompts: their own new k/v, `count` of them as a batch
-            qs, ks, vs = (x[rows].unflatten(0, (seq.count, -1)) for x in (q, k, v))
-        else:
-            qs = q[rows].unsqueeze(0)
-            ks, vs = (flat[seq.kv_slots].unsqueeze(0).to(q.dtype) for flat in (k_flat, v_flat))
+            qs, ks, vs = q[rows], k[rows], v[rows]
+        else:  # a cached prefix: the keys of the whole context, from the cache
+            qs, ks, vs = q[rows], k_flat[seq.kv_slots].to(q.dtype), v_flat[seq.kv_slots].to(q.dtype)
+        if _prefill_kernel_takes(out, qs, ks, vs):
+            cpu_kernels.ops().prefill_attention(out[rows], qs, ks, vs, seq.count, scale)
+            continue
+        qs, ks, vs = (x.unflatten(0, (seq.count, -1)) for x in (qs, ks, vs))
         out[rows] = _sdpa(qs, ks, vs, seq.mask, scale).flatten(0, 1)
     return out
+
+
+def _prefill_kernel_takes(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the CPU prefill attention kernel (csrc/prefill_attention_cpu.cpp) runs these [T, H, D] tensors:
+    fp32 on CPU, head_dim a multiple of 16, each row's heads contiguous, the kernels built. Its causal mask is
+    the one _prefill_seq builds (query i of a chunk after a prefix of P tokens sees keys 0 .. P + i)."""
+    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and q.shape[-1] % 16 == 0
+            and all(_rows_contiguous(t) for t in (out, q, k, v)) and cpu_kernels.ops() is not None)
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ascendserve.layers import cpu_kernels
+from ascendserve.layers import attention, cpu_kernels
 from ascendserve.layers.attention import build_attention_metadata, paged_attention
 
 BLOCK_SIZE = 4
@@ -147,11 +147,12 @@ def test_layers_sharing_the_step_workspace_read_their_own_cache(monkeypatch):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_a_mixed_step_matches_dense_causal_attention_per_request(cache_dtype):
+def test_a_mixed_step_matches_dense_causal_attention_per_request(cache_dtype, decode_path):
     # Requests in packed order: a decode, two fresh prompts of 5 tokens (one SDPA batch), a fresh 7,
     # a chunk of 4 after 6 cached tokens, a fresh 5 again (not adjacent to the first two) and a fresh 3.
     # A bf16 cache: fresh prompts attend over their own fp32 k / v, the decode and the chunk over the
-    # cache's rounded values (their new rows included), widened to fp32.
+    # cache's rounded values (their new rows included), widened to fp32. Through the C++ kernels (decode and
+    # prefill attention) and through plain torch.
     # query lens, cached tokens
     reqs = [(1, 9), (5, 0), (5, 0), (7, 0), (4, 6), (5, 0), (3, 0)]
     num_heads, num_kv_heads, head_dim = 6, 2, 16
@@ -214,3 +215,74 @@ def test_decode_kernel_refuses_a_slot_outside_the_cache(kernels):
     slots[1] = cache.shape[1] * cache.shape[2]
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.paged_decode_write(q, k, v, cache, slots, meta.decode_block_tables, meta.decode_context_lens, 0.25)
+
+
+def _causal_reference(q, k, v, count, scale):
+    """count sequences back to back, q [count * Tq, Hq, D] over k / v [count * Tk, Hk, D] (Tk - Tq cached first)."""
+    outs = []
+    for qs, ks, vs in zip(q.chunk(count), k.chunk(count), v.chunk(count)):
+        tq, tk = qs.shape[0], ks.shape[0]
+        mask = torch.arange(tk)[None, :] <= torch.arange(tk - tq, tk)[:, None]
+        out = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                             vs.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+# SmolLM2's heads, Qwen3.5's (head_dim 256), no grouping; query counts around the 6-row tile and the 48-query
+# work item; fresh prompts and chunks after a cached prefix (keys not a multiple of the 16-key panel).
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 2, 256), (4, 4, 16), (6, 2, 32)])
+@pytest.mark.parametrize("count, tq, prefix", [(1, 1, 0), (3, 5, 0), (2, 47, 0), (1, 49, 0), (2, 100, 0),
+                                               (1, 7, 13), (1, 50, 30)])
+def test_prefill_kernel_matches_causal_sdpa(num_heads, num_kv_heads, head_dim, count, tq, prefix, kernels):
+    gen = torch.Generator().manual_seed(tq + prefix)
+    tk = tq + prefix
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    packed = torch.randn(count * tq, width + 5, generator=gen)  # the qkv projection's split views: strided rows
+    q = packed[:, :num_heads * head_dim].unflatten(1, (num_heads, head_dim))
+    if prefix:  # gathered from the cache: contiguous, the whole context
+        k, v = torch.randn(2, count * tk, num_kv_heads, head_dim, generator=gen)
+    else:
+        k = packed[:, num_heads * head_dim:width - num_kv_heads * head_dim].unflatten(1, (num_kv_heads, head_dim))
+        v = packed[:, width - num_kv_heads * head_dim:width].unflatten(1, (num_kv_heads, head_dim))
+    assert count * tq == 1 or q.stride(0) == width + 5
+    out = torch.full((count * tq, num_heads, head_dim), float("nan"))
+    kernels.prefill_attention(out, q, k, v, count, 0.2)
+    torch.testing.assert_close(out, _causal_reference(q, k, v, count, 0.2), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_kernel_softmax_over_large_scores_and_long_prompts(kernels):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(700, 4, 64, generator=gen) * 30  # scores in the hundreds: exp needs the max subtracted
+    k, v = torch.randn(2, 700, 2, 64, generator=gen)
+    out = torch.empty_like(q)
+    kernels.prefill_attention(out, q, k, v, 1, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, _causal_reference(q, k, v, 1, 0.125), rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_kernel_refuses_what_it_cannot_run(kernels):
+    q, k = torch.randn(6, 4, 64), torch.randn(6, 2, 64)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.prefill_attention(torch.empty(6, 4, 24), torch.randn(6, 4, 24), *torch.randn(2, 6, 2, 24), 1, 1.0)
+    with pytest.raises(RuntimeError, match="fewer keys"):
+        kernels.prefill_attention(torch.empty_like(q), q, k[:4], k[:4], 1, 1.0)
+    with pytest.raises(RuntimeError, match="3 query heads over 2"):
+        kernels.prefill_attention(torch.empty(6, 3, 64), torch.randn(6, 3, 64), k, k, 1, 1.0)
+    with pytest.raises(RuntimeError, match="fp32"):
+        kernels.prefill_attention(torch.empty_like(q), q.bfloat16(), k, k, 1, 1.0)
+
+
+@pytest.mark.parametrize("head_dim", [24, 64])
+def test_prefill_goes_to_sdpa_where_the_kernel_does_not_run(head_dim, kernels, monkeypatch):
+    # head_dim 24 is not a multiple of the kernel's 16-wide panels: paged_attention must take SDPA (and agree).
+    calls = []
+    real = attention._sdpa
+    monkeypatch.setattr(attention, "_sdpa", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    meta = build_attention_metadata(np.array([9]), np.array([0]), np.arange(9), [[0, 1, 2]], BLOCK_SIZE,
+                                    torch.device("cpu"))
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = torch.randn(9, 4, head_dim, generator=gen), *torch.randn(2, 9, 2, head_dim, generator=gen)
+    out = paged_attention(q, k, v, torch.zeros(2, 3, BLOCK_SIZE, 2, head_dim), meta, 0.3)
+    assert len(calls) == (head_dim == 24)
+    torch.testing.assert_close(out, _causal_reference(q, k, v, 1, 0.3), rtol=1e-5, atol=1e-5)
