@@ -22,6 +22,8 @@ QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, applied after loading (l
 # "auto": the model dtype; a half-precision cache under an fp32 model stores K/V rounded to 16 bits and is
 # read back widened (attention itself stays fp32; not bit-exact)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+ARRIVAL_WINDOW_CAP = 10  # the first step after idle waits at most this many arrival windows
+MAX_ARRIVAL_WINDOW_MS = 1000
 ACTIVATION_QUANTIZATION_METHODS = ("int8",)  # 4-bit-weight linears' activations (layers/compact_linear.py, Q4Panels)
 
 
@@ -47,6 +49,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     enforce_eager: bool = False
     async_scheduling: bool = False  # schedule step N+1 while step N runs (same tokens as the synchronous loop)
+    # Served engine (AsyncLLM), from idle: the first step waits until no request has arrived for this long (at
+    # most ARRIVAL_WINDOW_CAP times it), so requests sent together are prefilled in one step; 0 turns it off
+    arrival_window_ms: float = 2.0
     tensor_parallel_size: int = 1
     device: str = "auto"
     served_model_name: str | list[str] | None = None
@@ -88,6 +93,8 @@ class EngineArgs:
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
         _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0 <= self.arrival_window_ms <= MAX_ARRIVAL_WINDOW_MS:
+            raise ValueError(f"arrival_window_ms must be in [0, {MAX_ARRIVAL_WINDOW_MS}], got {self.arrival_window_ms}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size != 1:

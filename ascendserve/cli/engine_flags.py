@@ -2,7 +2,8 @@
 
 import argparse
 
-from ascendserve.config import ACTIVATION_QUANTIZATION_METHODS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs
+from ascendserve.config import (ACTIVATION_QUANTIZATION_METHODS, ARRIVAL_WINDOW_CAP, KV_CACHE_DTYPES,
+                                QUANTIZATION_METHODS, EngineArgs)
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +27,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                         help="schedule and prepare step N+1 while step N computes")
+    parser.add_argument("--arrival-window-ms", type=float, default=d.arrival_window_ms,
+                        help="when the engine is idle and a request arrives, wait until no other request has "
+                             f"arrived for this many ms (at most {ARRIVAL_WINDOW_CAP} times as long) before the "
+                             "first step, so requests sent together are prefilled together; 0 turns it off")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--quantization", "-q", default=None,

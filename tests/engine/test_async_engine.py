@@ -116,12 +116,13 @@ class FailingEngine:
 
     def __init__(self, fail_at: int) -> None:
         self.tokenizer = None
-        self.config = SimpleNamespace(max_model_len=100)
+        self.config = SimpleNamespace(max_model_len=100, args=EngineArgs())
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
         self.kv_cache_manager = SimpleNamespace(usage=lambda: 0.0, num_queries=0, num_hits=0)
         self.output_processor = SimpleNamespace(parents={})
         self.requests: list[str] = []
         self.fail_at, self.steps = fail_at, 0
+        self.seen_by_step: list[int] = []  # requests present at each step
         self.thread_ids: set[int] = set()
 
     def add_request(self, request_id, prompt, params, arrival_time=None):
@@ -136,6 +137,7 @@ class FailingEngine:
     def step(self):
         self.thread_ids.add(threading.get_ident())
         self.steps += 1
+        self.seen_by_step.append(len(self.requests))
         if self.steps >= self.fail_at:
             raise RuntimeError("device lost")
         time.sleep(0.01)
@@ -182,3 +184,49 @@ def test_caller_cancelled_before_the_add_is_applied_leaves_nothing_behind():
     output = asyncio.run(run())
     assert output.request_id == "after" and "cancelled" not in engine.requests and not llm.errored
     llm.shutdown()
+
+
+# -- requests sent together, from idle ----------------------------------------------------------------
+
+def _first_step_after_burst(window_ms: float, count: int, gap_s: float) -> int:
+    """How many of `count` adds (gap_s apart, sent to an idle engine) the first step saw."""
+    engine = FailingEngine(fail_at=10**9)
+    llm = AsyncLLM(engine, arrival_window_ms=window_ms)
+
+    async def run():
+        adds = []
+        for i in range(count):
+            adds.append(asyncio.create_task(llm.add_request(f"r{i}", "x", greedy(1))))
+            await asyncio.sleep(gap_s)
+        await asyncio.wait_for(asyncio.gather(*adds), timeout=30)
+        while not engine.seen_by_step:
+            await asyncio.sleep(0.01)
+    asyncio.run(run())
+    llm.shutdown()
+    return engine.seen_by_step[0]
+
+
+def test_a_burst_of_requests_goes_into_the_first_step_together():
+    # 2 ms apart, a 100 ms window: every gap is far inside it, so the first step sees all four.
+    assert _first_step_after_burst(100, count=4, gap_s=0.002) == 4
+
+
+def test_the_wait_for_arrivals_is_capped():
+    # Arrivals every 5 ms for ~0.5 s never leave a 20 ms gap; the first step must not wait past 10 windows (0.2 s).
+    assert 1 <= _first_step_after_burst(20, count=100, gap_s=0.005) < 100
+
+
+def test_arrival_window_zero_steps_at_once(monkeypatch):
+    engine = FailingEngine(fail_at=10**9)
+    llm = AsyncLLM(engine, arrival_window_ms=0)
+    sleeps = []
+    monkeypatch.setattr("ascendserve.engine.async_engine.time.sleep", lambda s: sleeps.append(s))
+    llm._await_arrivals()
+    assert sleeps == []
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("value", [-1, 1001])
+def test_arrival_window_out_of_range_is_refused(value):
+    with pytest.raises(ValueError, match=r"arrival_window_ms must be in \[0, 1000\]"):
+        EngineArgs(arrival_window_ms=value).validate()
