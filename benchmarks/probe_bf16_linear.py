@@ -5,6 +5,9 @@ Variants per (shape, M rows), ms per call:
   mkl-pack  torch.ops.mkl._mkl_linear on a pack made for 64 rows (PackedLinear, M <= 128 only)
   bf16      torch.ops.ascendserve_cpu.bf16_linear on W held as bf16 panels (Bf16Linear, M <= 256)
   unpack+F  bf16_unpack to fp32, then F.linear (Bf16Linear above 256 rows)
+  native    F.linear on bf16 x and W (torch's bf16 GEMM: oneDNN, AVX512-BF16 / AMX where the CPU has it)
+  bf16x     torch.ops.ascendserve_cpu.bf16_linear_bf16x on bf16 x and the panels (what `--dtype bfloat16` runs:
+            Bf16Linear.for_bf16, vdpbf16ps where the CPU has AVX512-BF16), output rounded to bf16
 Variants are interleaved round by round; each call uses the next of several weight copies (over
 --stream-mib in all) so weights come from DRAM as in a decode step. Median of --rounds. The host is
 shared: run it twice.
@@ -43,20 +46,25 @@ def main() -> None:
     shapes = SHAPES["smol"] + SHAPES["qwen"] if args.shapes == "all" else SHAPES[args.shapes]
     rows_list = [int(r) for r in args.rows.split(",")]
     print(f"threads {torch.get_num_threads()}, median of {args.rounds} rounds, ms per call")
-    print(f"{'shape':22} {'N x K':>14} {'M':>5} {'fp32':>8} {'mkl-pack':>9} {'bf16':>8} {'unpack+F':>9} {'fp32/bf16':>9}")
+    print(f"{'shape':22} {'N x K':>14} {'M':>5} {'fp32':>8} {'mkl-pack':>9} {'bf16':>8} {'unpack+F':>9} {'native':>8} "
+          f"{'bf16x':>8} {'fp32/bf16':>9}")
     for label, n, k in shapes:
         copies = max(1, min(16, int(args.stream_mib * 2**20 // (n * k * 4))))
         weights = [torch.randn(n, k).bfloat16().float() for _ in range(copies)]
         packs = [pack_bf16(w) for w in weights]
+        natives = [w.bfloat16() for w in weights]
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, 64) for w in weights]
         for rows in rows_list:
             x = torch.randn(rows, k)
+            xb = x.bfloat16()
             variants = {
                 "fp32": lambda i: F.linear(x, weights[i]),
                 "mkl-pack": (lambda i: torch.ops.mkl._mkl_linear(x, mkl[i], weights[i], None, rows))
                 if rows <= MKL_MAX_ROWS else None,
                 "bf16": lambda i: ops.bf16_linear(x, packs[i], n, None),
                 "unpack+F": lambda i: F.linear(x, ops.bf16_unpack(packs[i], n)),
+                "native": lambda i: F.linear(xb, natives[i]),
+                "bf16x": lambda i: ops.bf16_linear_bf16x(xb, packs[i], n, None).bfloat16(),
             }
             times = {name: [] for name, fn in variants.items() if fn is not None}
             for r in range(args.rounds + 1):
@@ -68,7 +76,7 @@ def main() -> None:
             med = {name: statistics.median(t) for name, t in times.items()}
             cells = [f"{med[name]:8.2f}" if name in med else f"{'-':>8}" for name in variants]
             print(f"{label:22} {f'{n} x {k}':>14} {rows:>5} {cells[0]} {cells[1]:>9} {cells[2]} {cells[3]:>9} "
-                  f"{med['fp32'] / med['bf16']:9.2f}", flush=True)
+                  f"{cells[4]} {cells[5]} {med['fp32'] / med['bf16']:9.2f}", flush=True)
 
 
 if __name__ == "__main__":

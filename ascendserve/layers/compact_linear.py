@@ -78,12 +78,14 @@ class KernelLinear(nn.Module):
         raise NotImplementedError
 
     def extra_repr(self) -> str:
+        compute = "bf16 in and out, fp32 sums" if getattr(self, "bf16_io", False) else "fp32 compute"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               f"weight={self.weight_format} (fp32 compute)"
+               f"weight={self.weight_format} ({compute})"
 
 
 class Bf16Linear(KernelLinear):
-    """y = x @ W.T + b, fp32 in and out, with W held as bf16 panels (exact for a bf16-valued weight)."""
+    """y = x @ W.T + b with W held as bf16 panels: fp32 in and out for an fp32 layer whose values are all bf16 (exact),
+    bf16 in and out for a bf16 layer (a model run in bf16: Bf16Linear.for_bf16)."""
 
     max_rows = BF16_KERNEL_MAX_ROWS
     weight_format = "bf16"
@@ -93,6 +95,7 @@ class Bf16Linear(KernelLinear):
         self.register_parameter("bias", linear.bias)
         self.register_buffer("packed", pack_bf16(linear.weight.detach()), persistent=False)
         self.large_on_kernel = bf16_kernel_for_large_batches()
+        self.bf16_io = False
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
@@ -101,7 +104,34 @@ class Bf16Linear(KernelLinear):
         return (weight.dtype == torch.float32 and weight.device.type == "cpu" and linear.in_features % 2 == 0
                 and bf16_valued(weight))
 
+    @classmethod
+    def for_bf16(cls, linear: nn.Linear, kernels) -> "Bf16Linear":
+        """A bf16 CPU layer (in_features even) on the same panels, for every batch: bf16_linear_bf16x multiplies
+        bf16 x by them with vdpbf16ps on a CPU with AVX512-BF16 (exact products, fp32 sums: oneDNN's bf16
+        arithmetic), else with x widened to fp32; the fp32 sums are rounded to bf16 once, at the end. 2-core AMD
+        EPYC (Zen 4, AVX512-BF16, no AMX), weights from DRAM (benchmarks/probe_bf16_linear.py), ms per call, this
+        kernel / F.linear's bf16 GEMM (oneDNN) / bf16_linear on fp32 x:
+              shape (N x K)          M=1               M=16              M=64             M=1024
+              Qwen3.5 8192x1024      0.64/1.76/0.54    1.19/2.35/1.81    3.32/4.44/6.61   48.5/46.3/109
+              Qwen3.5 248320x1024    17.3/44.1/20.2    44.0/68.1/75.2    113/143/236      1580/1454/3492
+        No batch size left to the dense GEMM: the kernel is level with it at 1024 rows and faster below."""
+        layer = cls(linear, kernels)
+        layer.bf16_io = True
+        layer.max_rows = 1 << 62  # the kernel takes every batch
+        if linear.bias is not None:
+            layer.register_buffer("bias_fp32", linear.bias.detach().float(), persistent=False)
+        return layer
+
+    @staticmethod
+    def supports_bf16(linear: nn.Linear) -> bool:
+        """bf16 on CPU with in_features even."""
+        weight = linear.weight
+        return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and linear.in_features % 2 == 0
+
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16_io:
+            bias = self.bias_fp32 if self.bias is not None else None
+            return self.kernels.bf16_linear_bf16x(x, self.packed, self.out_features, bias).to(torch.bfloat16)
         return self.kernels.bf16_linear(x, self.packed, self.out_features, self.bias)
 
     def _large(self, x: torch.Tensor) -> torch.Tensor:

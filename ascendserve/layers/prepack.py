@@ -14,12 +14,13 @@ from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
 
-STAT_KEYS = ("packed", "weight_bytes", "pack_bytes", "padded", "bf16", "bf16_bytes", "q4", "q4_bytes", "q8",
+STAT_KEYS = ("packed", "weight_bytes", "pack_bytes", "padded", "bf16", "bf16_bytes", "bf16_io", "bf16_io_bytes", "q4",
+             "q4_bytes", "q8",
              "q8_bytes", "onednn", "panel", "panel_bytes", "int8_activations")
 
 
 def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[str, int]:
-    """Replace the model's fp32 CPU nn.Linear layers in place; returns counts and bytes.
+    """Replace the model's fp32 and bf16 CPU nn.Linear layers in place; returns counts and bytes.
 
     All bf16 values -> Bf16Linear. Else, by the fp32 GEMM that probed the fastest (linear.fp32_gemm), PanelLinear
     (the C++ kernel's panels), DenseLinear (oneDNN's GEMM) or PackedLinear (MKL's packed GEMM, unless
@@ -28,8 +29,9 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
     dequantized Q4_0 / Q4_1 GGUF), or in a Q8Linear when they are an 8-bit one (Q8_0). Bf16Linear,
     Q4Linear and Q8Linear need the CPU kernels and ASCENDSERVE_COMPACT_WEIGHTS not 0. int8_activations: the
     Q4Linear layers multiply int8-rounded activations (Q4Panels; counted as "int8_activations") and keep no fp32
-    layer beneath (their kernels take every batch). A no-op (zeros)
-    where none applies, e.g. bf16 or non-CPU layers (the GEMM probe then does not run either). Call after
+    layer beneath (their kernels take every batch). bf16 layers (a model run in bf16) -> Bf16Linear.for_bf16
+    (counted as "bf16_io"), where the kernels build and ASCENDSERVE_COMPACT_WEIGHTS is not 0. A no-op (zeros)
+    where none applies, e.g. non-CPU layers (the GEMM probe then does not run either). Call after
     the weights are loaded.
     """
     stats = dict.fromkeys(STAT_KEYS, 0)
@@ -41,6 +43,10 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
                     layer = _cpu_form(child, int8_activations, stats, any_rows_by_shape)
                     if layer is not child:
                         setattr(parent, name, layer)
+                elif isinstance(child, nn.Linear) and Bf16Linear.supports_bf16(child) and (kernels := _kernels()):
+                    layer = Bf16Linear.for_bf16(child, kernels)
+                    _count(stats, "bf16_io", layer.packed.numel() * 2)
+                    setattr(parent, name, layer)
     _log_linears(stats)
     return stats
 
@@ -48,7 +54,7 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
 def _cpu_form(child: nn.Linear, int8_activations: bool, stats: dict[str, int],
               any_rows_by_shape: dict[tuple[int, int], bool]) -> nn.Module:
     """What one fp32 CPU nn.Linear becomes (see prepack_linears_), counted in stats."""
-    kernels = tile_kernels() if env_switch(COMPACT_ENV_VAR) is not False else None
+    kernels = _kernels()
     if kernels is not None and Bf16Linear.supports(child):
         layer = Bf16Linear(child, kernels)
         _count(stats, "bf16", layer.packed.numel() * 2)
@@ -68,6 +74,11 @@ def _cpu_form(child: nn.Linear, int8_activations: bool, stats: dict[str, int],
         layer = Q8Linear(layer, grid8, kernels)
         _count(stats, "q8", sum(t.numel() * t.element_size() for t in (layer.q, layer.scales)))
     return layer
+
+
+def _kernels():
+    """The CPU kernels for the compact layers, None where they did not build or ASCENDSERVE_COMPACT_WEIGHTS=0."""
+    return tile_kernels() if env_switch(COMPACT_ENV_VAR) is not False else None
 
 
 def _fp32_form(child: nn.Linear, stats: dict[str, int], any_rows_by_shape: dict[tuple[int, int], bool]) -> nn.Module:
@@ -103,6 +114,12 @@ def _log_linears(stats: dict[str, int]) -> None:
         logger.info("%d fp32 linear layers hold bf16 values (a bf16 checkpoint): kept as bf16 (%.1f MiB, half "
                     "the fp32 size) and multiplied in fp32 by the CPU kernel; %s=0 keeps them fp32",
                     stats["bf16"], stats["bf16_bytes"] / 2**20, COMPACT_ENV_VAR)
+    if stats["bf16_io"]:
+        kernels = _kernels()
+        how = "with vdpbf16ps (AVX512-BF16)" if kernels.bf16_dot() else "with x widened to fp32 (no AVX512-BF16 here)"
+        logger.info("%d bf16 linear layers kept as bf16 panels (%.1f MiB) for the CPU kernel, which multiplies them %s "
+                    "and rounds the fp32 sums to bf16; %s=0 keeps torch's bf16 GEMM", stats["bf16_io"],
+                    stats["bf16_io_bytes"] / 2**20, how, COMPACT_ENV_VAR)
     if stats["int8_activations"]:
         logger.info("%d fp32 linear layers hold a 4-bit grid per %d inputs (a Q4_0 / Q4_1 GGUF): kept as 4-bit "
                     "only (%.1f MiB, the fp32 weights released), multiplied with int8 activations in batches of "

@@ -4,6 +4,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ascendserve.layers import cpu_kernels
@@ -205,3 +206,75 @@ def test_without_simd_tiles_weights_stay_fp32(kernels, monkeypatch):
     assert not any(isinstance(m, Bf16Linear) for m in model.modules())
     # nor the C++ GEMM's panels, whatever the probe found
     assert stats["panel"] == 0 and not any(isinstance(m, PanelLinear) for m in model.modules())
+
+
+# -- bf16 in and out: Bf16Linear.for_bf16 (a model run in bf16) ----------------------------------------------------
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16x_kernel_is_the_fp32_product_of_bf16_inputs(kernels, k, n, bias):
+    layer = _bf16_valued_linear(k, n, bias)
+    packed = pack_bf16(layer.weight.detach())
+    for rows in ROWS:
+        x = torch.randn(rows, k).bfloat16()
+        # vdpbf16ps's products of two bf16 values are exact in fp32 and summed in fp32, as the fp32 kernel's are
+        assert_fp32_product(kernels.bf16_linear_bf16x(x, packed, n, layer.bias), x.float(), layer)
+
+
+def test_bf16x_kernel_reports_vdpbf16ps_as_the_cpu_has_it_and_rejects_bad_inputs(kernels):
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    assert kernels.bf16_dot() == ("avx512_bf16" in flags and "avx512f" in flags)  # built with -march=native
+    packed = pack_bf16(_bf16_valued_linear(64, 40, False).weight.detach())
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        kernels.bf16_linear_bf16x(torch.randn(3, 64), packed, 40, None)
+    with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+        kernels.bf16_linear_bf16x(torch.randn(3, 32).bfloat16(), packed, 40, None)
+    with pytest.raises(RuntimeError, match="n=70 does not match 2 panels"):
+        kernels.bf16_linear_bf16x(torch.randn(3, 64).bfloat16(), packed, 70, None)
+
+
+class _Bf16LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(100, 32)
+        self.proj = nn.Linear(32, 48)
+        self.odd = nn.Linear(31, 32)  # odd in_features: the kernel takes pairs
+        self.lm_head = nn.Linear(32, 100, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+        self.to(torch.bfloat16)
+
+
+def test_prepack_gives_bf16_layers_the_kernel_for_every_batch(kernels, caplog):
+    model = _Bf16LM()
+    table = model.embed_tokens.weight.detach().clone()
+    proj = nn.Linear(32, 48).double()
+    proj.load_state_dict(model.proj.state_dict())
+    with caplog.at_level(logging.INFO):
+        stats = prepack_linears_(model)
+    assert isinstance(model.proj, Bf16Linear) and isinstance(model.lm_head, Bf16Linear)
+    assert type(model.odd) is nn.Linear and model.odd.weight.dtype == torch.bfloat16
+    assert stats["bf16_io"] == 2 and stats["bf16"] == 0 and stats["bf16_io_bytes"] == (64 * 32 + 128 * 32) * 2
+    assert "2 bf16 linear layers kept as bf16 panels" in caplog.text
+    assert torch.equal(model.embed_tokens.weight, table)  # the embedding keeps its bf16 table
+    assert torch.equal(model.lm_head.packed, pack_bf16(table))  # and the tied lm_head has its own panels
+    recording = _Recording(kernels)
+    model.proj.kernels = recording
+    for rows in (1, 7, compact_linear.BF16_KERNEL_MAX_ROWS + 1, 700):
+        x = torch.randn(rows, 32).bfloat16()
+        out = model.proj(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 48)
+        ref = proj(x.double())
+        # the fp32 sums rounded to bf16 once: within a bf16 rounding (2^-8 relative) of the exact product
+        scale = F.linear(x.double().abs(), proj.weight.abs(), proj.bias.abs())
+        assert ((out.double() - ref).abs() <= 2.0 ** -8 * scale + 1e-6).all()
+    assert recording.calls == ["bf16_linear_bf16x"] * 4
+    x = torch.randn(2, 3, 32).bfloat16()[:, ::2]  # leading dims flattened; a non-contiguous input is copied
+    assert torch.equal(model.proj(x).reshape(-1, 48), model.proj(x.reshape(-1, 32)))
+    assert "bf16 in and out" in repr(model.proj)
+
+
+def test_bf16_layers_keep_torch_gemm_when_turned_off(monkeypatch):
+    monkeypatch.setenv(compact_linear.COMPACT_ENV_VAR, "0")
+    model = _Bf16LM()
+    stats = prepack_linears_(model)
+    assert stats["bf16_io"] == 0 and not any(isinstance(m, Bf16Linear) for m in model.modules())
