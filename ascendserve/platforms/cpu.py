@@ -39,14 +39,32 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return False
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AMX or AVX512-BF16); else bf16 is emulated and slow."""
+def cpu_flags() -> set[str]:
+    """The `flags` line of /proc/cpuinfo (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return set(next((line for line in f if line.startswith("flags")), "").split(":", 1)[-1].split())
     except OSError:
-        return False
+        return set()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AMX or AVX512-BF16); else bf16 is emulated and slow."""
+    flags = cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def bf16_by_default() -> bool:
+    """Whether `--dtype auto` runs a bf16 / fp16 checkpoint in bf16 here: only with AMX.
+
+    With AVX512-BF16 alone (AMD Zen 4, Intel Cooper Lake) bf16 linears are fast (csrc/bf16_linear_cpu.cpp's
+    vdpbf16ps tile, Bf16Linear.for_bf16), but the Gated DeltaNet ops, attention kernels and norms are fp32,
+    and the model ran slower in bf16 than in fp32 with bf16 weights. 2-core AMD EPYC (Zen 4), in-process,
+    median ms per decode step at 1 / 8 / 64 streams and s per 8 x 256 prefill (session 18): Qwen3.5-0.8B shape
+    fp32 53 / 102 / 746 ms, 13.3 s; bf16 122 / 189 / 851 ms, 15.1 s (torch's bf16 GEMM: 164 / 256 / 897 ms).
+    The demo (SmolLM2, Q4_1) is faster in bf16 from 8 rows on (fp32 13 / 34 / 222 ms, 3.0 s; bf16 25 / 33 /
+    132 ms, 2.2 s) and slower at one, where its fp32 layers read 4-bit copies: `--dtype bfloat16` for batches."""
+    return "amx_bf16" in cpu_flags()
 
 
 class CpuPlatform(Platform):
@@ -68,14 +86,15 @@ class CpuPlatform(Platform):
 
     def default_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         # Measured on a 2-core AVX-512 Xeon without AMX/AVX512-BF16: bf16 GEMMs ran at ~65 GFLOP/s
-        # against ~240 for fp32, so half-precision checkpoints run in fp32 there. With AMX, bf16
-        # wins from about 8 rows on (shared/reference/cpu_peers.md §6); fp16 is slow on every CPU.
+        # against ~240 for fp32, so half-precision checkpoints run in fp32 there; with AVX512-BF16 but no AMX
+        # the whole model was still faster in fp32 (bf16_by_default). With AMX, bf16 wins from about 8 rows
+        # on (shared/reference/cpu_peers.md §6); fp16 is slow on every CPU.
         if checkpoint_dtype in (torch.float16, torch.bfloat16):
-            if cpu_has_fast_bf16():
+            if bf16_by_default():
                 return torch.bfloat16
-            logger.info("this CPU has no native bf16 (no AMX / AVX512-BF16): computing in float32 (bf16 "
-                        "linear weights stay bf16 where the CPU kernels build, layers/compact_linear.py); pass --dtype "
-                        "bfloat16 to override")
+            native = "AVX512-BF16 without AMX" if cpu_has_fast_bf16() else "no native bf16 (no AMX / AVX512-BF16)"
+            logger.info("this CPU has %s: computing in float32 (bf16 linear weights stay bf16 where the CPU kernels "
+                        "build, layers/compact_linear.py); pass --dtype bfloat16 to override", native)
             return torch.float32
         return checkpoint_dtype or torch.float32
 
