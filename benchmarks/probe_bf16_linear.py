@@ -64,7 +64,7 @@ def main() -> None:
                 "bf16": lambda i: ops.bf16_linear(x, packs[i], n, None),
                 "unpack+F": lambda i: F.linear(x, ops.bf16_unpack(packs[i], n)),
                 "native": lambda i: F.linear(xb, natives[i]),
-                "bf16x": lambda i: ops.bf16_linear_bf16x(xb, packs[i], n, None).bfloat16(),
+                "bf16x": lambda i: ops.bf16_linear_bf16x(xb, packs[i], n, None, True),
             }
             times = {name: [] for name, fn in variants.items() if fn is not None}
             for r in range(args.rounds + 1):

@@ -105,10 +105,11 @@ class Bf16Linear(KernelLinear):
                 and bf16_valued(weight))
 
     @classmethod
-    def for_bf16(cls, linear: nn.Linear, kernels) -> "Bf16Linear":
+    def for_bf16(cls, linear: nn.Linear, kernels, fp32_out: bool = False) -> "Bf16Linear":
         """A bf16 CPU layer (in_features even) on the same panels, for every batch: bf16_linear_bf16x multiplies
         bf16 x by them with vdpbf16ps on a CPU with AVX512-BF16 (exact products, fp32 sums: oneDNN's bf16
-        arithmetic), else with x widened to fp32; the fp32 sums are rounded to bf16 once, at the end. 2-core AMD
+        arithmetic), else with x widened to fp32; the fp32 sums are rounded to bf16 once, at the end, unless
+        fp32_out (the lm_head: fp32 logits, as a sampler upcasts them anyway, without bf16's ties). 2-core AMD
         EPYC (Zen 4, AVX512-BF16, no AMX), weights from DRAM (benchmarks/probe_bf16_linear.py), ms per call, this
         kernel / F.linear's bf16 GEMM (oneDNN) / bf16_linear on fp32 x:
               shape (N x K)          M=1               M=16              M=64             M=1024
@@ -116,7 +117,7 @@ class Bf16Linear(KernelLinear):
               Qwen3.5 248320x1024    17.3/44.1/20.2    44.0/68.1/75.2    113/143/236      1580/1454/3492
         No batch size left to the dense GEMM: the kernel is level with it at 1024 rows and faster below."""
         layer = cls(linear, kernels)
-        layer.bf16_io = True
+        layer.bf16_io, layer.fp32_out = True, fp32_out
         layer.max_rows = 1 << 62  # the kernel takes every batch
         if linear.bias is not None:
             layer.register_buffer("bias_fp32", linear.bias.detach().float(), persistent=False)
@@ -131,7 +132,7 @@ class Bf16Linear(KernelLinear):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.bf16_io:
             bias = self.bias_fp32 if self.bias is not None else None
-            return self.kernels.bf16_linear_bf16x(x, self.packed, self.out_features, bias).to(torch.bfloat16)
+            return self.kernels.bf16_linear_bf16x(x, self.packed, self.out_features, bias, not self.fp32_out)
         return self.kernels.bf16_linear(x, self.packed, self.out_features, self.bias)
 
     def _large(self, x: torch.Tensor) -> torch.Tensor:

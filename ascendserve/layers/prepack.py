@@ -44,7 +44,7 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
                     if layer is not child:
                         setattr(parent, name, layer)
                 elif isinstance(child, nn.Linear) and Bf16Linear.supports_bf16(child) and (kernels := _kernels()):
-                    layer = Bf16Linear.for_bf16(child, kernels)
+                    layer = Bf16Linear.for_bf16(child, kernels, fp32_out=name == "lm_head")
                     _count(stats, "bf16_io", layer.packed.numel() * 2)
                     setattr(parent, name, layer)
     _log_linears(stats)
@@ -118,8 +118,8 @@ def _log_linears(stats: dict[str, int]) -> None:
         kernels = _kernels()
         how = "with vdpbf16ps (AVX512-BF16)" if kernels.bf16_dot() else "with x widened to fp32 (no AVX512-BF16 here)"
         logger.info("%d bf16 linear layers kept as bf16 panels (%.1f MiB) for the CPU kernel, which multiplies them %s "
-                    "and rounds the fp32 sums to bf16; %s=0 keeps torch's bf16 GEMM", stats["bf16_io"],
-                    stats["bf16_io_bytes"] / 2**20, how, COMPACT_ENV_VAR)
+                    "and rounds the fp32 sums to bf16 (the lm_head keeps them: fp32 logits); %s=0 keeps torch's bf16 "
+                    "GEMM", stats["bf16_io"], stats["bf16_io_bytes"] / 2**20, how, COMPACT_ENV_VAR)
     if stats["int8_activations"]:
         logger.info("%d fp32 linear layers hold a 4-bit grid per %d inputs (a Q4_0 / Q4_1 GGUF): kept as 4-bit "
                     "only (%.1f MiB, the fp32 weights released), multiplied with int8 activations in batches of "

@@ -217,7 +217,10 @@ def test_bf16x_kernel_is_the_fp32_product_of_bf16_inputs(kernels, k, n, bias):
     for rows in ROWS:
         x = torch.randn(rows, k).bfloat16()
         # vdpbf16ps's products of two bf16 values are exact in fp32 and summed in fp32, as the fp32 kernel's are
-        assert_fp32_product(kernels.bf16_linear_bf16x(x, packed, n, layer.bias), x.float(), layer)
+        out = kernels.bf16_linear_bf16x(x, packed, n, layer.bias, False)
+        assert_fp32_product(out, x.float(), layer)
+        # bf16_out: those sums, rounded to nearest (even) bf16 in the kernel
+        assert torch.equal(kernels.bf16_linear_bf16x(x, packed, n, layer.bias, True), out.bfloat16())
 
 
 def test_bf16x_kernel_reports_vdpbf16ps_as_the_cpu_has_it_and_rejects_bad_inputs(kernels):
@@ -226,11 +229,11 @@ def test_bf16x_kernel_reports_vdpbf16ps_as_the_cpu_has_it_and_rejects_bad_inputs
     assert kernels.bf16_dot() == ("avx512_bf16" in flags and "avx512f" in flags)  # built with -march=native
     packed = pack_bf16(_bf16_valued_linear(64, 40, False).weight.detach())
     with pytest.raises(RuntimeError, match="contiguous bf16"):
-        kernels.bf16_linear_bf16x(torch.randn(3, 64), packed, 40, None)
+        kernels.bf16_linear_bf16x(torch.randn(3, 64), packed, 40, None, True)
     with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
-        kernels.bf16_linear_bf16x(torch.randn(3, 32).bfloat16(), packed, 40, None)
+        kernels.bf16_linear_bf16x(torch.randn(3, 32).bfloat16(), packed, 40, None, True)
     with pytest.raises(RuntimeError, match="n=70 does not match 2 panels"):
-        kernels.bf16_linear_bf16x(torch.randn(3, 64).bfloat16(), packed, 70, None)
+        kernels.bf16_linear_bf16x(torch.randn(3, 64).bfloat16(), packed, 70, None, True)
 
 
 class _Bf16LM(nn.Module):
@@ -271,6 +274,8 @@ def test_prepack_gives_bf16_layers_the_kernel_for_every_batch(kernels, caplog):
     x = torch.randn(2, 3, 32).bfloat16()[:, ::2]  # leading dims flattened; a non-contiguous input is copied
     assert torch.equal(model.proj(x).reshape(-1, 48), model.proj(x.reshape(-1, 32)))
     assert "bf16 in and out" in repr(model.proj)
+    logits = model.lm_head(torch.randn(3, 32).bfloat16())  # the lm_head keeps its fp32 sums: fp32 logits
+    assert logits.dtype == torch.float32 and logits.shape == (3, 100)
 
 
 def test_bf16_layers_keep_torch_gemm_when_turned_off(monkeypatch):

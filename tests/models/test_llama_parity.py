@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from ascendserve import LLM, SamplingParams
 from ascendserve.compilation import compiled_module_classes
-from tests.models.reference import check_outputs, hf_greedy, make_prompts, randomize_
+from tests.models.reference import assert_matches, check_outputs, hf_greedy, make_prompts, randomize_
 
 VOCAB = 512
 MAX_NEW = 12
@@ -90,4 +90,30 @@ def test_preemption(checkpoint, async_scheduling):
                              enable_prefix_caching=False, async_scheduling=async_scheduling)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     check_outputs(outputs, refs)
+    _assert_pool_clean(llm)
+
+
+@pytest.mark.parametrize("budget", [48, 2048])  # chunked prefill; whole prompts in one step
+def test_bf16_model_on_the_bf16_kernel(tmp_path, budget):
+    # --dtype bfloat16 on CPU: every linear on Bf16Linear.for_bf16 (vdpbf16ps where the CPU has AVX512-BF16),
+    # against transformers' fp32 model of the same bf16 weights; bf16 activations round at every layer, so
+    # logprobs agree to ~0.1 and greedy tokens may part only where transformers' best two are that close.
+    from ascendserve.layers.compact_linear import Bf16Linear
+    config = CONFIGS["qwen3"]()
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize_(model, seed=1)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    model.float()
+    prompts = make_prompts(VOCAB, LENGTHS, seed=2)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", num_gpu_blocks_override=256,
+              max_num_batched_tokens=budget)
+    linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, (torch.nn.Linear, Bf16Linear))]
+    assert len(linears) == 2 * 4 + 1 and all(isinstance(m, Bf16Linear) and m.bf16_io for m in linears)  # qkv, o, gate_up, down
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
+        assert_matches(hf_greedy(model, prompt, MAX_NEW), completion.token_ids, completion.logprobs, tol=0.1)
     _assert_pool_clean(llm)

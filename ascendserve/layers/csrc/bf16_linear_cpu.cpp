@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "panel_linear.h"
 
@@ -199,8 +200,25 @@ void tile_fast(int rows, const float* x, int64_t ldx, const uint32_t* panel, int
 // broadcast as one 32-bit lane, by 16 outputs' weight pairs and adds both products to 16 fp32 sums (exact
 // products, fp32 sums, denormal inputs read as zero: the arithmetic of oneDNN's bf16 GEMM). Two instructions per
 // row and input pair cover the panel's 32 outputs, with no widening: twice the fp32 tile's products per cycle.
+// out[m][0 .. cols) = acc[m] + bias rounded to bf16 (vcvtneps2bf16: to nearest even), the last panel's columns
+// masked off; bias may be nullptr.
 template <int ROWS>
-void tile_dot(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, float* out, int64_t ldo,
+inline void store_tile_bf16(const __m512 (&acc)[ROWS][2], at::BFloat16* out, int64_t ldo, int64_t cols,
+                            const float* bias) {
+  const __mmask16 mask0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
+  for (int m = 0; m < ROWS; ++m) {
+    const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][0], b0));
+    const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][1], b1));
+    _mm256_mask_storeu_epi16(out + m * ldo, mask0, lo);
+    _mm256_mask_storeu_epi16(out + m * ldo + 16, mask1, hi);
+  }
+}
+
+template <int ROWS, typename Out>
+void tile_dot(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, Out* out, int64_t ldo,
               int64_t cols, const float* bias) {
   __m512 acc[ROWS][2];
   for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
@@ -216,7 +234,11 @@ void tile_dot(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kpa
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xp, w1);
     }
   }
-  ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
+  if constexpr (std::is_same_v<Out, float>) {
+    ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
+  } else {
+    store_tile_bf16<ROWS>(acc, out, ldo, cols, bias);
+  }
 }
 #endif
 
@@ -232,10 +254,10 @@ bool bf16_dot() {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                   bool portable);
 
-// y = x @ W.T + b in fp32 for bf16 x [M, K] (bias fp32): bf16_dot()'s tile, else x widened to fp32 (exact) through
-// bf16_linear's tiles.
+// y = x @ W.T + b for bf16 x [M, K] (bias fp32), the fp32 sums rounded to bf16 where bf16_out, else returned as
+// they are: bf16_dot()'s tile, else x widened to fp32 (exact) through bf16_linear's tiles.
 at::Tensor bf16_linear_bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                             const c10::optional<at::Tensor>& bias) {
+                             const c10::optional<at::Tensor>& bias, bool bf16_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "bf16_linear_bf16x: x must be a contiguous bf16 [M, K] tensor");
 #if defined(ASCENDSERVE_BF16_DOT)
@@ -246,21 +268,29 @@ at::Tensor bf16_linear_bf16x(const at::Tensor& x, const at::Tensor& packed, int6
   TORCH_CHECK(k == 2 * kpairs, "bf16_linear_bf16x: x has ", k, " columns, the weight ", 2 * kpairs);
   ascendserve_panel::check_outputs(n, panels, kPanel, "bf16_linear_bf16x");
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "bf16_linear_bf16x");
-  at::Tensor out = at::empty({m_rows, n}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({m_rows, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (m_rows == 0) return out;
   const uint32_t* x_ptr = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const uint32_t* w_ptr = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
-  float* out_ptr = out.data_ptr<float>();
   const int64_t panel_stride = kpairs * kPanel;
-  ascendserve_panel::for_each_tile<kRowBlock>(m_rows, k, n, panels, [&](int64_t p, int64_t m0, int rows, int64_t cols) {
-    ascendserve_panel::with_tile_rows<kRowBlock>(rows, [&](auto r) {
-      tile_dot<decltype(r)::value>(x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kpairs,
-                                   out_ptr + m0 * n + p * kPanel, n, cols, bias_ptr ? bias_ptr + p * kPanel : nullptr);
+  auto run = [&](auto* out_ptr) {
+    ascendserve_panel::for_each_tile<kRowBlock>(m_rows, k, n, panels, [&](int64_t p, int64_t m0, int rows,
+                                                                          int64_t cols) {
+      ascendserve_panel::with_tile_rows<kRowBlock>(rows, [&](auto r) {
+        tile_dot<decltype(r)::value>(x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kpairs,
+                                     out_ptr + m0 * n + p * kPanel, n, cols, bias_ptr ? bias_ptr + p * kPanel : nullptr);
+      });
     });
-  });
+  };
+  if (bf16_out) {
+    run(out.data_ptr<at::BFloat16>());
+  } else {
+    run(out.data_ptr<float>());
+  }
   return out;
 #else
-  return linear(x.to(at::kFloat), packed, n, bias, false);
+  at::Tensor out = linear(x.to(at::kFloat), packed, n, bias, false);
+  return bf16_out ? out.to(at::kBFloat16) : out;
 #endif
 }
 
@@ -334,7 +364,7 @@ TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("bf16_linear_portable(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("bf16_unpack(Tensor packed, int n) -> Tensor");
   m.def("bf16_dot() -> bool", &bf16_dot);
-  m.def("bf16_linear_bf16x(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("bf16_linear_bf16x(Tensor x, Tensor packed, int n, Tensor? bias, bool bf16_out) -> Tensor");
   m.impl("bf16_linear_bf16x", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_bf16x));
   m.impl("bf16_unpack", c10::DispatchKey::CPU, TORCH_FN(bf16_unpack));
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
