@@ -110,7 +110,8 @@ def test_bf16_model_on_the_bf16_kernel(tmp_path, budget):
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", num_gpu_blocks_override=256,
               max_num_batched_tokens=budget)
     linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, (torch.nn.Linear, Bf16Linear))]
-    assert len(linears) == 2 * 4 + 1 and all(isinstance(m, Bf16Linear) and m.bf16_io for m in linears)  # qkv, o, gate_up, down
+    # per layer qkv, o, gate_up, down; and the lm_head
+    assert len(linears) == 2 * 4 + 1 and all(isinstance(m, Bf16Linear) and m.bf16_io for m in linears)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs):

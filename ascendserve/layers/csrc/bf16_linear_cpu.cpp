@@ -278,7 +278,8 @@ at::Tensor bf16_linear_bf16x(const at::Tensor& x, const at::Tensor& packed, int6
                                                                           int64_t cols) {
       ascendserve_panel::with_tile_rows<kRowBlock>(rows, [&](auto r) {
         tile_dot<decltype(r)::value>(x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kpairs,
-                                     out_ptr + m0 * n + p * kPanel, n, cols, bias_ptr ? bias_ptr + p * kPanel : nullptr);
+                                     out_ptr + m0 * n + p * kPanel, n, cols,
+                                     bias_ptr ? bias_ptr + p * kPanel : nullptr);
       });
     });
   };
