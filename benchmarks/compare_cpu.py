@@ -151,7 +151,7 @@ def configs(ns, model: Model, venvs: dict[str, Path], notes: list[str]) -> list[
     params = hf_decode_params(model.hf_dir)
     fast_bf16 = bool({"amx_bf16", "avx512_bf16"} & peers.cpu_flags())
     ctx = ns.input_len + ns.output_len + 64  # every server's max model length (llama-server: per slot)
-    builders = {"ascendserve": lambda: [_ascendserve(ns, model, params, fast_bf16, ctx, extra)
+    builders = {"ascendserve": lambda: [_ascendserve(ns, model, params, ctx, extra)
                                         for extra in ns.ascendserve_args or [""]],
                 "vllm": lambda: _vllm(ns, model, params, venvs["vllm"], ctx, notes),
                 "llamacpp": lambda: _llamacpp(ns, model, venvs["llamacpp"], ctx),
@@ -159,9 +159,7 @@ def configs(ns, model: Model, venvs: dict[str, Path], notes: list[str]) -> list[
     return [cfg for engine in ns.engines for cfg in builders[engine]()]
 
 
-def _ascendserve(ns, model: Model, params: int, fast_bf16: bool, ctx: int, extra: str) -> Config:
-    # The dtype its platform will pick (checked against the "Engine ready" log line once it runs).
-    dtype = "bfloat16" if fast_bf16 and model.ascendserve_path.is_dir() else "float32"
+def _ascendserve(ns, model: Model, params: int, ctx: int, extra: str) -> Config:
     levels = None
     if extra.startswith("C="):
         spec, extra = extra.split(":", 1)
@@ -169,6 +167,11 @@ def _ascendserve(ns, model: Model, params: int, fast_bf16: bool, ctx: int, extra
     tokens = shlex.split(extra)
     env = dict(t.split("=", 1) for t in tokens if ENV_ASSIGNMENT.match(t))  # leading NAME=value, as in a shell
     flags = [t for t in tokens if not ENV_ASSIGNMENT.match(t)]
+    # The dtype the server will run (checked against its "Engine ready" log line once it runs): --dtype, else what
+    # `--dtype auto` picks on CPU (platforms/cpu.py: bf16 for a bf16 checkpoint only with AMX).
+    dtype = flags[flags.index("--dtype") + 1] if "--dtype" in flags[:-1] else "auto"
+    if dtype == "auto":
+        dtype = "bfloat16" if "amx_bf16" in peers.cpu_flags() and model.ascendserve_path.is_dir() else "float32"
     weights, nbytes = dtype, params * BYTES_PER_PARAM[dtype]
     if "--quantization" in flags:  # weight-only (layers/quantization.py), bytes per weight with the scales:
         weights = flags[flags.index("--quantization") + 1]  # int8: 1 (+ one scale a row); int4 in fp32: 0.5 +

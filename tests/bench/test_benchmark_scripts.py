@@ -49,20 +49,25 @@ def test_compare_cpu_imports_only_names_its_modules_define():
 
 
 
-def test_ascendserve_args_set_environment_levels_and_weight_bytes(tmp_path):
+def test_ascendserve_args_set_environment_levels_and_weight_bytes(tmp_path, monkeypatch):
     compare_cpu = _module("compare_cpu")
+    monkeypatch.setattr(compare_cpu.peers, "cpu_flags", lambda: {"avx512_bf16"})  # no AMX: auto is fp32
     (tmp_path / "config.json").write_text('{"text_config": {"dtype": "bfloat16"}}')
     model = compare_cpu.Model("m", "title", tmp_path, tmp_path)
     ns = compare_cpu.parse_args(["--threads", "2"])
-    default = compare_cpu._ascendserve(ns, model, 1000, False, 448, "")
+    default = compare_cpu._ascendserve(ns, model, 1000, 448, "")
     # A bf16 checkpoint runs in fp32 from bf16 weights: 2 bytes a weight for the roofline.
     assert default.weights == "bf16 weights, fp32 compute" and default.decode_bytes == 2000
     assert default.spec(1234, 1).env == {"OMP_NUM_THREADS": "2"}
-    fp32 = compare_cpu._ascendserve(ns, model, 1000, False, 448, "C=1,8:ASCENDSERVE_COMPACT_WEIGHTS=0 --max-num-seqs 8")
+    fp32 = compare_cpu._ascendserve(ns, model, 1000, 448, "C=1,8:ASCENDSERVE_COMPACT_WEIGHTS=0 --max-num-seqs 8")
     spec = fp32.spec(1234, 8)
     assert fp32.levels == [1, 8] and fp32.weights == "float32" and fp32.decode_bytes == 4000
     assert spec.env == {"OMP_NUM_THREADS": "2", "ASCENDSERVE_COMPACT_WEIGHTS": "0"}
     assert "--max-num-seqs" in spec.argv and "ASCENDSERVE_COMPACT_WEIGHTS=0" not in spec.argv
+    bf16 = compare_cpu._ascendserve(ns, model, 1000, 448, "--dtype bfloat16")  # bf16 panels: 2 bytes a weight
+    assert bf16.weights == "bfloat16" and bf16.decode_bytes == 2000
+    monkeypatch.setattr(compare_cpu.peers, "cpu_flags", lambda: {"amx_bf16"})  # with AMX, auto is bf16
+    assert compare_cpu._ascendserve(ns, model, 1000, 448, "").weights == "bfloat16"
 
 
 @pytest.mark.parametrize("value", ["C=1,8--quantization int4", "C=x:--dtype float32", "C=:", "C=1,,8:", "C=0:"])
@@ -104,10 +109,12 @@ def test_a_q4_gguf_counts_its_grid_for_the_roofline(tmp_path):
     assert compare_cpu.gguf_grid_decode_bytes(path) == int(expected)
     model = compare_cpu.Model("m", "title", tmp_path, path)
     ns = compare_cpu.parse_args(["--threads", "2"])
-    config = compare_cpu._ascendserve(ns, model, 1000, False, 448, "")
+    config = compare_cpu._ascendserve(ns, model, 1000, 448, "")
     assert config.weights == "4/8-bit grids (Q4 / Q8_0), fp32 rest" and config.decode_bytes == int(expected)
-    fp32 = compare_cpu._ascendserve(ns, model, 1000, False, 448, "ASCENDSERVE_COMPACT_WEIGHTS=0")
+    fp32 = compare_cpu._ascendserve(ns, model, 1000, 448, "ASCENDSERVE_COMPACT_WEIGHTS=0")
     assert fp32.weights == "float32" and fp32.decode_bytes == 4000
+    bf16 = compare_cpu._ascendserve(ns, model, 1000, 448, "--dtype bfloat16")  # the grids dequantized to bf16
+    assert bf16.weights == "bfloat16" and bf16.decode_bytes == 2000
 
 
 def _summary(tok_s: float, ttft: float) -> dict:
