@@ -15,8 +15,7 @@ from ascendserve.logger import init_logger
 logger = init_logger(__name__)
 
 STAT_KEYS = ("packed", "weight_bytes", "pack_bytes", "padded", "bf16", "bf16_bytes", "bf16_io", "bf16_io_bytes", "q4",
-             "q4_bytes", "q8",
-             "q8_bytes", "onednn", "panel", "panel_bytes", "int8_activations")
+             "q4_bytes", "q8", "q8_bytes", "onednn", "panel", "panel_bytes", "int8_activations")
 
 
 def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[str, int]:

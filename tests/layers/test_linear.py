@@ -10,6 +10,7 @@ from torch import nn
 
 from ascendserve.layers import linear as packed
 from ascendserve.layers.linear import DenseLinear, PackedLinear, PanelLinear, dense_linear, packing_supported
+from ascendserve.layers.compact_linear import Bf16Linear, tile_kernels
 from ascendserve.layers.prepack import prepack_linears_
 from tests.layers.kernel_checks import assert_fp32_product
 
@@ -77,13 +78,16 @@ def test_prepack_swaps_linears_and_keeps_the_tie(caplog, force_gemm):
         assert torch.allclose(model.lm_head(x), x @ model.embed_tokens.weight.t(), atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype, device", [(torch.bfloat16, "cpu"), (torch.float32, "meta")])
-def test_prepack_is_a_no_op_off_cpu_fp32(dtype, device, monkeypatch):
+@pytest.mark.parametrize("dtype, device", [(torch.bfloat16, "cpu"), (torch.float32, "meta"), (torch.bfloat16, "meta")])
+def test_prepack_leaves_non_cpu_layers_and_probes_no_gemm_without_fp32_cpu_layers(dtype, device, monkeypatch):
     probes = []
     monkeypatch.setattr(packed, "fp32_gemm", lambda: probes.append(1) or "onednn")
     model = nn.Sequential(nn.Linear(32, 32, dtype=dtype, device=device))
-    assert prepack_linears_(model)["packed"] == 0
-    assert type(model[0]) is nn.Linear and not probes  # no GEMM probe without an fp32 CPU layer
+    stats = prepack_linears_(model)
+    assert stats["packed"] == stats["onednn"] == stats["panel"] == 0
+    assert not probes  # no GEMM probe without an fp32 CPU layer
+    # a bf16 CPU layer goes to the bf16 kernel (test_bf16_linear.py), where the kernels build; the rest stay
+    assert type(model[0]) is (nn.Linear if device == "meta" or tile_kernels() is None else Bf16Linear)
 
 
 def test_prepack_is_a_no_op_when_turned_off(monkeypatch, force_gemm):
