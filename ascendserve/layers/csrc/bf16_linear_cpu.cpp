@@ -1,7 +1,7 @@
-// y = x @ W.T + b with W stored as bf16 and everything else fp32, for CPUs without native bf16.
+// y = x @ W.T + b with W stored as bf16 panels: fp32 x and output (bf16_linear), or bf16 x (bf16_linear_bf16x, a
+// model run in bf16: vdpbf16ps where the CPU has AVX512-BF16, see tile_dot).
 //
-// A bf16 checkpoint run in fp32 (what `--dtype auto` does on a CPU without AMX / AVX512-BF16)
-// holds every weight as fp32: twice the bytes a decode step must stream, for values that are all
+// A bf16 checkpoint run in fp32 (what `--dtype auto` does on a CPU without AMX) holds every weight as fp32: twice the bytes a decode step must stream, for values that are all
 // exactly bf16. Widening bf16 to fp32 is exact (the bf16 bits are the top half of the fp32 word), so
 // keeping the weight as bf16 and widening it in registers gives the fp32 product of the same numbers
 // from half the memory traffic. Accumulation is fp32; only the summation order differs from F.linear.
@@ -196,10 +196,6 @@ void tile_fast(int rows, const float* x, int64_t ldx, const uint32_t* panel, int
 
 #if defined(ASCENDSERVE_TILES_AVX512) && defined(__AVX512BF16__)
 #define ASCENDSERVE_BF16_DOT 1
-// bf16 activations (a model run in bf16) on a CPU with AVX512-BF16: vdpbf16ps multiplies a row's input pair,
-// broadcast as one 32-bit lane, by 16 outputs' weight pairs and adds both products to 16 fp32 sums (exact
-// products, fp32 sums, denormal inputs read as zero: the arithmetic of oneDNN's bf16 GEMM). Two instructions per
-// row and input pair cover the panel's 32 outputs, with no widening: twice the fp32 tile's products per cycle.
 // out[m][0 .. cols) = acc[m] + bias rounded to bf16 (vcvtneps2bf16: to nearest even), the last panel's columns
 // masked off; bias may be nullptr.
 template <int ROWS>
@@ -217,6 +213,11 @@ inline void store_tile_bf16(const __m512 (&acc)[ROWS][2], at::BFloat16* out, int
   }
 }
 
+// bf16 activations (a model run in bf16) on a CPU with AVX512-BF16: vdpbf16ps multiplies a row's input pair,
+// broadcast as one 32-bit lane, by 16 outputs' weight pairs and adds both products to 16 fp32 sums (exact
+// products, fp32 sums, denormal inputs read as zero: the arithmetic of oneDNN's bf16 GEMM). Two instructions per
+// row and input pair cover the panel's 32 outputs, with no widening: twice the fp32 tile's products per cycle.
+// Out: float (the sums as they are) or at::BFloat16 (rounded once).
 template <int ROWS, typename Out>
 void tile_dot(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, Out* out, int64_t ldo,
               int64_t cols, const float* bias) {
