@@ -2,9 +2,10 @@
 // model run in bf16: vdpbf16ps where the CPU has AVX512-BF16, see tile_dot).
 //
 // A bf16 checkpoint run in fp32 (what `--dtype auto` does on a CPU without AMX) holds every weight as fp32:
-// twice the bytes a decode step must stream, for values that are all exactly bf16. Widening bf16 to fp32 is exact (the bf16 bits are the top half of the fp32 word), so
-// keeping the weight as bf16 and widening it in registers gives the fp32 product of the same numbers
-// from half the memory traffic. Accumulation is fp32; only the summation order differs from F.linear.
+// twice the bytes a decode step must stream, for values that are all exactly bf16. Widening bf16 to fp32 is
+// exact (the bf16 bits are the top half of the fp32 word), so keeping the weight as bf16 and widening it in
+// registers gives the fp32 product of the same numbers from half the memory traffic. Accumulation is fp32;
+// only the summation order differs from F.linear.
 //
 // Packed layout (ascendserve/layers/compact_linear.py, pack_bf16): W [N, K] (K even, N padded with zero rows
 // to a multiple of 32) as panels of 32 output rows, [N/32][K/2][32][2] bf16: for input pair kp, the 32
