@@ -164,10 +164,9 @@ def libiomp5(venv: Path) -> Path:
 
 # -- llama.cpp -----------------------------------------------------------------------------------
 def cpu_flags() -> set[str]:
-    """The `flags` line of /proc/cpuinfo."""
-    with open("/proc/cpuinfo") as f:
-        line = next((ln for ln in f if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
+    """The `flags` line of /proc/cpuinfo (the engine's own reading: platforms/cpu.py)."""
+    from ascendserve.platforms.cpu import cpu_flags as engine_cpu_flags
+    return engine_cpu_flags()
 
 
 def ggml_cmake_args(flags: set[str]) -> list[str]:

@@ -12,6 +12,7 @@ from ascendserve.layers import compact_linear
 from ascendserve.layers.compact_linear import Bf16Embedding, Bf16Linear, bf16_valued, pack_bf16
 from ascendserve.layers.linear import PanelLinear
 from ascendserve.layers.prepack import compact_embeddings_, prepack_linears_
+from ascendserve.platforms.cpu import cpu_flags
 from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows, fp32_layer_type
 
 
@@ -177,8 +178,7 @@ def test_bf16_weights_stay_fp32_when_turned_off(monkeypatch, env):
 
 
 def test_kernels_report_their_simd_tiles_as_the_cpu_has_them(kernels):
-    with open("/proc/cpuinfo") as f:
-        flags = next((line for line in f if line.startswith("flags")), "").split()
+    flags = cpu_flags()
     # built with -march=native: AVX-512 tiles, else AVX2 + FMA ones
     assert kernels.simd_tiles() == ("avx512f" in flags or {"avx2", "fma"} <= set(flags))
     assert kernels.tile_lanes() == (16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= set(flags) else 0)
@@ -224,8 +224,7 @@ def test_bf16x_kernel_is_the_fp32_product_of_bf16_inputs(kernels, k, n, bias):
 
 
 def test_bf16x_kernel_reports_vdpbf16ps_as_the_cpu_has_it_and_rejects_bad_inputs(kernels):
-    with open("/proc/cpuinfo") as f:
-        flags = next((line for line in f if line.startswith("flags")), "").split()
+    flags = cpu_flags()
     assert kernels.bf16_dot() == ("avx512_bf16" in flags and "avx512f" in flags)  # built with -march=native
     packed = pack_bf16(_bf16_valued_linear(64, 40, False).weight.detach())
     with pytest.raises(RuntimeError, match="contiguous bf16"):
