@@ -235,6 +235,41 @@ def test_bf16x_kernel_reports_vdpbf16ps_as_the_cpu_has_it_and_rejects_bad_inputs
         kernels.bf16_linear_bf16x(torch.randn(3, 64).bfloat16(), packed, 70, None, True)
 
 
+# (K, N) for AMX's blocks: K a multiple of its 32-input step (one step, SmolLM2's 18, Qwen3.5's 112), partial panels
+AMX_SHAPES = [(32, 16), (576, 96), (3584, 70)]
+# below amx_min_rows (8), one and two blocks of 16 rows (one / two A tiles), a last block of each height, the row chunk
+AMX_ROWS = [7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 64, 100, 256, 300]
+
+
+@pytest.mark.parametrize("k,n", AMX_SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_amx_blocks_are_the_fp32_product_of_bf16_inputs(kernels, k, n, bias):
+    layer = _bf16_valued_linear(k, n, bias)
+    packed = pack_bf16(layer.weight.detach())
+    for rows in AMX_ROWS:
+        x = torch.randn(rows, k).bfloat16()
+        out = kernels.bf16_linear_bf16x(x, packed, n, layer.bias, False)  # AMX from amx_min_rows() on where it runs
+        assert_fp32_product(out, x.float(), layer)
+        assert_fp32_product(kernels.bf16_linear_bf16x_dot(x, packed, n, layer.bias, False), x.float(), layer)
+        rounded = kernels.bf16_linear_bf16x(x, packed, n, layer.bias, True)
+        assert torch.equal(rounded, out.bfloat16())
+
+
+def test_amx_is_used_as_the_cpu_has_it(kernels):
+    flags = cpu_flags()
+    assert kernels.bf16_amx() == ({"amx_bf16", "amx_tile", "avx512_bf16"} <= flags)  # built with -march=native
+    assert kernels.amx_min_rows() == (8 if kernels.bf16_amx() else 0)
+    if not kernels.bf16_amx():
+        pytest.skip("no AMX here: bf16_linear_bf16x is the vdpbf16ps tile at every size")
+    # AMX sums in another order than the vdpbf16ps tile: from amx_min_rows() rows on the two differ (in the last bits)
+    layer = _bf16_valued_linear(1024, 64, False)
+    packed = pack_bf16(layer.weight.detach())
+    x = torch.randn(40, 1024).bfloat16()
+    differs = [not torch.equal(kernels.bf16_linear_bf16x(x[:rows], packed, 64, None, False),
+                               kernels.bf16_linear_bf16x_dot(x[:rows], packed, 64, None, False)) for rows in (7, 40)]
+    assert differs == [False, True]
+
+
 class _Bf16LM(nn.Module):
     def __init__(self) -> None:
         super().__init__()

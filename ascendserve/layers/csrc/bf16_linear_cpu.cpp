@@ -1,5 +1,6 @@
 // y = x @ W.T + b with W stored as bf16 panels: fp32 x and output (bf16_linear), or bf16 x (bf16_linear_bf16x, a
-// model run in bf16: vdpbf16ps where the CPU has AVX512-BF16, see tile_dot).
+// model run in bf16: vdpbf16ps where the CPU has AVX512-BF16, see tile_dot, and AMX's tiles for batches of
+// amx_min_rows() rows or more where it has AMX, see tile_amx).
 //
 // A bf16 checkpoint run in fp32 (what `--dtype auto` does on a CPU without AMX) holds every weight as fp32:
 // twice the bytes a decode step must stream, for values that are all exactly bf16. Widening bf16 to fp32 is
@@ -22,6 +23,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <type_traits>
 
 #include "panel_linear.h"
@@ -242,6 +245,96 @@ void tile_dot(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kpa
     store_tile_bf16<ROWS>(acc, out, ldo, cols, bias);
   }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ASCENDSERVE_BF16_AMX 1
+// AMX (Sapphire Rapids on): tdpbf16ps multiplies a 16-row x 32-input tile of bf16 x by a 32-input x 16-output tile of
+// weight pairs into 16 x 16 fp32 sums, the arithmetic of vdpbf16ps (exact products, fp32 sums), 8192 products in one
+// instruction. The panels need no repacking: AMX's B tile is 16 rows of input pairs, each 16 outputs' (W[n][2kp],
+// W[n][2kp+1]), which is half a panel row (64 of its 128 bytes), so a B tile is 16 panel rows read with a 128-byte
+// stride. A 32-row block keeps four fp32 tiles of sums (rows 0-15 / 16-31 by outputs 0-15 / 16-31) over the two A
+// tiles and the two B tiles of each step of 32 inputs: all eight tile registers.
+constexpr int kAmxRows = 32;   // x rows per block (two A tiles)
+constexpr int64_t kAmxMinRows = 8;  // see amx_min_rows
+constexpr int64_t kAmxK = 32;  // inputs per tile step (64 bytes of bf16 per tile row)
+
+// Asks Linux for the AMX tile state once per process (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+// without it the first tile instruction faults. False where the kernel refuses (then the vdpbf16ps tile runs).
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The tile shapes for blocks of `rows` rows (1-32): tiles 0-1 the sums of rows 0-15 by outputs 0-15 / 16-31 and
+// 2-3 those of rows 16-31, 4-5 x's rows 0-15 / 16-31, 6-7 the panel's outputs 0-15 / 16-31. Loading a
+// configuration zeroes every tile, so a thread reconfigures only where a block's height changes (a last block).
+inline void amx_configure(int rows) {
+  AmxConfig config;
+  const int top = std::min(rows, 16), bottom = std::max(rows - 16, 0);
+  const int tile_rows[8] = {top, top, bottom, bottom, top, bottom, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = static_cast<uint8_t>(tile_rows[t]);
+    config.colsb[t] = tile_rows[t] ? 64 : 0;
+  }
+  // Not _tile_loadconfig: GCC 12's intrinsic tells the compiler it reads only a pointer's 8 bytes, and the stores of
+  // the rest were optimised away (ldtilecfg then faulted on the uninitialised bytes).
+  asm volatile("ldtilecfg %0" ::"m"(config));
+}
+
+thread_local int amx_configured_rows = 0;  // the block height this thread's tiles are configured for (0: none)
+
+// out[m][0 .. cols) for `rows` (1-32) rows of x [., K] (ldx in input pairs) by one panel, K a multiple of kAmxK;
+// the sums pass through `sums` [32][32] to the rounding store.
+template <typename Out>
+void tile_amx(int rows, const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, Out* out, int64_t ldo,
+              int64_t cols, const float* bias) {
+  if (rows != amx_configured_rows) {
+    amx_configure(rows);
+    amx_configured_rows = rows;
+  }
+  alignas(64) float sums[kAmxRows][kPanel];
+  const int64_t x_stride = 4 * ldx, panel_stride = 4 * kPanel;  // bytes between rows of a tile
+  const bool two = rows > 16;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kp = 0; kp < kpairs; kp += kAmxK / 2) {
+    _tile_loadd(4, x + kp, x_stride);
+    _tile_loadd(6, panel + kp * kPanel, panel_stride);
+    _tile_loadd(7, panel + kp * kPanel + 16, panel_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, x + 16 * ldx + kp, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, &sums[0][0], sizeof sums[0]);
+  _tile_stored(1, &sums[0][16], sizeof sums[0]);
+  if (two) {
+    _tile_stored(2, &sums[16][0], sizeof sums[0]);
+    _tile_stored(3, &sums[16][16], sizeof sums[0]);
+  }
+  for (int m = 0; m < rows; ++m) {
+    const __m512 row[1][2] = {{_mm512_load_ps(&sums[m][0]), _mm512_load_ps(&sums[m][16])}};
+    if constexpr (std::is_same_v<Out, float>) {
+      ascendserve_panel::store_tile<1>(row, out + m * ldo, ldo, cols, bias);
+    } else {
+      store_tile_bf16<1>(row, out + m * ldo, ldo, cols, bias);
+    }
+  }
+}
+#endif
 #endif
 
 // Whether bf16_linear_bf16x multiplies with vdpbf16ps here (else it widens x and runs bf16_linear).
@@ -253,13 +346,34 @@ bool bf16_dot() {
 #endif
 }
 
+// Whether bf16_linear_bf16x multiplies batches of amx_min_rows() rows or more with AMX here: built for a CPU with
+// AMX-BF16 and the tile state granted by Linux.
+bool bf16_amx() {
+#if defined(ASCENDSERVE_BF16_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// From this many rows on, AMX (where bf16_amx()); below, the vdpbf16ps tile. Qwen3.5's layer shapes on a 2-core Xeon
+// with AMX (benchmarks/probe_bf16_linear.py, ms per call, AMX / vdpbf16ps): 8192x1024 at 1 row 1.18 / 0.84, 4 rows
+// 0.79 / 0.84, 8 rows 1.02 / 1.09, 16 rows 0.96 / 1.57; 1024x3584 at 1 row 0.70 / 0.35, 8 rows 0.25 / 0.37.
+int64_t amx_min_rows() {
+#if defined(ASCENDSERVE_BF16_AMX)
+  return kAmxMinRows;
+#else
+  return 0;
+#endif
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                   bool portable);
 
 // y = x @ W.T + b for bf16 x [M, K] (bias fp32), the fp32 sums rounded to bf16 where bf16_out, else returned as
 // they are: bf16_dot()'s tile, else x widened to fp32 (exact) through bf16_linear's tiles.
-at::Tensor bf16_linear_bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                             const c10::optional<at::Tensor>& bias, bool bf16_out) {
+at::Tensor bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                 bool bf16_out, bool use_amx) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "bf16_linear_bf16x: x must be a contiguous bf16 [M, K] tensor");
 #if defined(ASCENDSERVE_BF16_DOT)
@@ -275,14 +389,29 @@ at::Tensor bf16_linear_bf16x(const at::Tensor& x, const at::Tensor& packed, int6
   const uint32_t* x_ptr = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const uint32_t* w_ptr = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   const int64_t panel_stride = kpairs * kPanel;
+  // rows [m0, m0 + rows) of x by panel p on the vdpbf16ps tile, in blocks of up to kRowBlock rows
+  auto dot_rows = [&](auto* out_ptr, int64_t p, int64_t m0, int rows, int64_t cols) {
+    ascendserve_panel::in_row_blocks<kRowBlock>(rows, [&](int r0, auto r) {
+      tile_dot<decltype(r)::value>(x_ptr + (m0 + r0) * kpairs, kpairs, w_ptr + p * panel_stride, kpairs,
+                                   out_ptr + (m0 + r0) * n + p * kPanel, n, cols,
+                                   bias_ptr ? bias_ptr + p * kPanel : nullptr);
+    });
+  };
   auto run = [&](auto* out_ptr) {
+#if defined(ASCENDSERVE_BF16_AMX)
+    if (use_amx && m_rows >= amx_min_rows() && k % kAmxK == 0 && amx_permitted()) {
+      auto amx_rows = [&](int64_t p, int64_t m0, int rows, int64_t cols) {
+        tile_amx(rows, x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kpairs, out_ptr + m0 * n + p * kPanel,
+                 n, cols, bias_ptr ? bias_ptr + p * kPanel : nullptr);
+      };
+      return ascendserve_panel::for_each_tile<kAmxRows>(m_rows, k, n, panels, amx_rows,
+                                                        [] { amx_configured_rows = 0; },
+                                                        [] { _tile_release(); });
+    }
+#endif
     ascendserve_panel::for_each_tile<kRowBlock>(m_rows, k, n, panels, [&](int64_t p, int64_t m0, int rows,
                                                                           int64_t cols) {
-      ascendserve_panel::with_tile_rows<kRowBlock>(rows, [&](auto r) {
-        tile_dot<decltype(r)::value>(x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kpairs,
-                                     out_ptr + m0 * n + p * kPanel, n, cols,
-                                     bias_ptr ? bias_ptr + p * kPanel : nullptr);
-      });
+      dot_rows(out_ptr, p, m0, rows, cols);
     });
   };
   if (bf16_out) {
@@ -295,6 +424,17 @@ at::Tensor bf16_linear_bf16x(const at::Tensor& x, const at::Tensor& packed, int6
   at::Tensor out = linear(x.to(at::kFloat), packed, n, bias, false);
   return bf16_out ? out.to(at::kBFloat16) : out;
 #endif
+}
+
+at::Tensor bf16_linear_bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                             const c10::optional<at::Tensor>& bias, bool bf16_out) {
+  return bf16x(x, packed, n, bias, bf16_out, true);
+}
+
+// The same on the vdpbf16ps tile at every batch size (the reference the AMX blocks are tested against).
+at::Tensor bf16_linear_bf16x_dot(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                                 const c10::optional<at::Tensor>& bias, bool bf16_out) {
+  return bf16x(x, packed, n, bias, bf16_out, false);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
@@ -367,8 +507,12 @@ TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("bf16_linear_portable(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("bf16_unpack(Tensor packed, int n) -> Tensor");
   m.def("bf16_dot() -> bool", &bf16_dot);
+  m.def("bf16_amx() -> bool", &bf16_amx);
+  m.def("amx_min_rows() -> int", &amx_min_rows);
   m.def("bf16_linear_bf16x(Tensor x, Tensor packed, int n, Tensor? bias, bool bf16_out) -> Tensor");
+  m.def("bf16_linear_bf16x_dot(Tensor x, Tensor packed, int n, Tensor? bias, bool bf16_out) -> Tensor");
   m.impl("bf16_linear_bf16x", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_bf16x));
+  m.impl("bf16_linear_bf16x_dot", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_bf16x_dot));
   m.impl("bf16_unpack", c10::DispatchKey::CPU, TORCH_FN(bf16_unpack));
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
   m.impl("bf16_linear_portable", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_portable));
