@@ -140,7 +140,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         """hidden [T, H]; state = (conv pool, recurrent pool) of this layer; meta: the runner's StateMetadata."""
         qkvz, ba = self.in_proj_qkvz(hidden), self.in_proj_ba(hidden)
         if (kernels := self._cpu_kernels(qkvz, state)) is not None:
-            return self.out_proj(self._fused(kernels, qkvz, ba, state, meta))
+            out = self._fused(kernels, qkvz.float(), ba.float(), state, meta)
+            return self.out_proj(out.to(qkvz.dtype))
         mixed_qkv, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
         b, a = ba.split([self.num_v_heads, self.num_v_heads], dim=-1)
         beta = b.sigmoid()
@@ -153,18 +154,32 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         return self.out_proj(core.reshape(hidden.shape[0], self.value_dim))
 
     def _cpu_kernels(self, qkvz: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
-        """The CPU ops when the step can run as the fused C++ ops (fp32 model and pools, SiLU conv), else None."""
+        """The CPU ops when the step can run as the fused C++ ops (fp32 pools, SiLU conv), else None. The ops
+        compute in fp32: a bf16 model's projections are widened for them and their output rounded back (its
+        conv pool is fp32 on CPU: state_cache_spec), as the recurrent state is fp32 everywhere."""
         if qkvz.device.type != "cpu" or self.activation not in ("silu", "swish"):
             return None
-        if any(t.dtype != torch.float32
-               for t in (qkvz, *state, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)):
+        if qkvz.dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != torch.float32 for t in state):
             return None
         return cpu_kernels.ops()
 
+    def _fp32_params(self) -> tuple[torch.Tensor, ...]:
+        """(conv weight [C, K], A_log, dt_bias, gated-norm weight) in fp32 for the C++ ops: the parameters
+        themselves in an fp32 model, else fp32 copies made once (the weights do not change after loading)."""
+        params = (self.conv1d.weight.view(self.conv_dim, -1), self.A_log, self.dt_bias, self.norm.weight)
+        if all(p.dtype == torch.float32 for p in params):
+            return params
+        cached = getattr(self, "_fp32_copies", None)
+        if cached is None or cached[0] != tuple(p.data_ptr() for p in params):
+            cached = (tuple(p.data_ptr() for p in params), tuple(p.detach().float().contiguous() for p in params))
+            self._fp32_copies = cached
+        return cached[1]
+
     def _fused(self, kernels, qkvz, ba, state, meta) -> torch.Tensor:
         """Conv, delta rule and gated norm of every row by the C++ ops: [T, Hv*dv], ready for out_proj."""
-        weights = (self.conv1d.weight.view(self.conv_dim, -1), *state)
-        params = (self.A_log, self.dt_bias, self.norm.weight, self.num_k_heads, self.norm.eps)
+        conv_weight, a_log, dt_bias, norm_weight = self._fp32_params()
+        weights = (conv_weight, *state)
+        params = (a_log, dt_bias, norm_weight, self.num_k_heads, self.norm.eps)
         return _by_kind(
             meta, qkvz.new_empty(qkvz.shape[0], self.value_dim),
             lambda rows: kernels.gdn_decode(*_take(rows, qkvz, ba), *weights, meta.decode_slots, *params),
@@ -314,11 +329,14 @@ class Qwen3_5ForCausalLM(nn.Module):
         return {"num_layers": len(attn), "num_kv_heads": attn[0].num_kv_heads, "head_dim": attn[0].head_dim}
 
     def state_cache_spec(self) -> dict:
-        """Shape of the per-sequence state: one conv and one fp32 recurrent state per Gated DeltaNet layer."""
+        """Shape of the per-sequence state: one conv and one fp32 recurrent state per Gated DeltaNet layer. The
+        conv state is fp32 on CPU, where the C++ ops compute in fp32 whatever the model's dtype; elsewhere it is
+        in the model's dtype (conv_dtype None)."""
         linear = self._layers_of("linear_attn")
         conv_shape, ssm_shape = linear[0].state_shapes()
+        on_cpu = self.model.embed_tokens.weight.device.type == "cpu"
         return {"num_layers": len(linear), "conv_shape": conv_shape, "ssm_shape": ssm_shape,
-                "ssm_dtype": torch.float32}
+                "ssm_dtype": torch.float32, "conv_dtype": torch.float32 if on_cpu else None}
 
     def forward(self, input_ids, positions, kv_caches, attn_meta, state_caches, state_meta) -> torch.Tensor:
         """Hidden states [T, hidden] of the packed tokens; positions [T] (text) or [3, T] (MRoPE)."""

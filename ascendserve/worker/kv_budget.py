@@ -27,7 +27,8 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
     args = config.args
     spec = model.kv_cache_spec()
     per_block = kv_cache_bytes_per_block(spec, args.block_size, config.kv_cache_dtype)
-    per_slot = state_cache_bytes_per_slot(model.state_cache_spec(), config.dtype) if is_hybrid(model) else 0
+    spec = model.state_cache_spec() if is_hybrid(model) else {}
+    per_slot = state_cache_bytes_per_slot(spec, config.dtype) if spec else 0
     budget, source = None, "num_gpu_blocks_override"
     if args.num_gpu_blocks_override is None:
         if args.kv_cache_memory_bytes is not None:
@@ -43,7 +44,8 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
     state_note = ""
     if state_bytes:
         state_note = (f"; state cache: {config.max_num_seqs} slots (max_num_seqs) x {per_slot} bytes = "
-                      f"{_size(state_bytes)} (conv states in {config.dtype}, recurrent states in float32)")
+                      f"{_size(state_bytes)} (conv states in {spec.get('conv_dtype') or config.dtype}, recurrent states in "
+                      f"{spec['ssm_dtype']})")
     if budget is None:
         num_blocks = args.num_gpu_blocks_override
     else:

@@ -189,15 +189,18 @@ def is_hybrid(model: torch.nn.Module) -> bool:
 
 
 def state_cache_bytes_per_slot(spec: dict, dtype: torch.dtype) -> int:
-    """Bytes one state slot takes over all recurrent layers (conv state in `dtype`, recurrent state in fp32)."""
-    conv = torch.Size(spec["conv_shape"]).numel() * torch.tensor([], dtype=dtype).element_size()
+    """Bytes one state slot takes over all recurrent layers (conv state in the spec's conv_dtype, else `dtype`;
+    recurrent state in its ssm_dtype)."""
+    conv_dtype = spec.get("conv_dtype") or dtype
+    conv = torch.Size(spec["conv_shape"]).numel() * torch.tensor([], dtype=conv_dtype).element_size()
     ssm = torch.Size(spec["ssm_shape"]).numel() * torch.tensor([], dtype=spec["ssm_dtype"]).element_size()
     return spec["num_layers"] * (conv + ssm)
 
 
 def allocate_state_caches(spec: dict, num_slots: int, dtype: torch.dtype,
                           device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(conv [num_slots, C, K-1], recurrent [num_slots, Hv, dk, dv] fp32) zeroed, per recurrent layer."""
-    return [(_zeros_on_huge_pages((num_slots, *spec["conv_shape"]), dtype, device),
+    """(conv [num_slots, C, K-1] in the spec's conv_dtype (else `dtype`), recurrent [num_slots, Hv, dk, dv] in its
+    ssm_dtype) zeroed, per recurrent layer."""
+    return [(_zeros_on_huge_pages((num_slots, *spec["conv_shape"]), spec.get("conv_dtype") or dtype, device),
              _zeros_on_huge_pages((num_slots, *spec["ssm_shape"]), spec["ssm_dtype"], device))
             for _ in range(spec["num_layers"])]

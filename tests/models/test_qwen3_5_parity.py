@@ -151,6 +151,37 @@ def test_bf16_checkpoint_runs_in_fp32_from_bf16_weights(checkpoints, budget):
     _assert_clean(llm.llm_engine)
 
 
+@pytest.mark.parametrize("budget", [48, 1024])  # chunked prefill (prefill continues from the slot); whole prompts
+def test_bf16_model_runs_gated_deltanet_on_the_fp32_ops(checkpoints, budget, monkeypatch):
+    # --dtype bfloat16 on CPU (what --dtype auto picks with AMX): the linears on Bf16Linear.for_bf16 (AMX / vdpbf16ps),
+    # the Gated DeltaNet layers on the fused C++ ops, which compute in fp32 from widened projections and an fp32 conv
+    # pool; against transformers' fp32 model of the same bf16 weights, bf16 activations rounding at every layer. This
+    # tiny random model is sharp: transformers' own bf16 run of it leaves its fp32 greedy path where the top two are
+    # 0.29 apart and its logprobs drift by 0.11 before that (ours: 0.07), so tokens may part below a 0.5 gap.
+    path, prompts, refs = checkpoints("dense-bf16")
+    calls = []
+    real = cpu_kernels.ops()
+    recording = type("Recording", (), {"__getattr__": lambda _, name: (
+        lambda *a: calls.append(name) or getattr(real, name)(*a)) if name.startswith("gdn_") else getattr(real, name)})()
+    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", num_gpu_blocks_override=256,
+              max_num_batched_tokens=budget)
+    runner = llm.llm_engine.runner
+    assert all(conv.dtype == torch.float32 and ssm.dtype == torch.float32 for conv, ssm in runner.state_caches)
+    monkeypatch.setitem(cpu_kernels._state, "ops", recording)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False)
+    assert {"gdn_decode", "gdn_prefill"} <= set(calls)
+    whole = 0
+    for out, ref in zip(outputs, refs):
+        tokens, logprobs = out.outputs[0].token_ids, out.outputs[0].logprobs
+        step = next((i for i, (a, b) in enumerate(zip(tokens, ref.tokens)) if a != b), len(tokens))
+        drift = [abs(logprobs[i][tokens[i]].logprob - ref.logprobs[i]) for i in range(step)]
+        assert max(drift, default=0.0) < 0.1, drift  # the same tokens up to `step`, logprobs within 0.1
+        assert step == len(tokens) or ref.top2_gap[step] < 0.5, (step, ref.top2_gap[step])
+        whole += step == len(tokens)
+    assert whole >= len(prompts) // 2
+    _assert_clean(llm.llm_engine)
+
+
 def test_plain_torch_decode_path(checkpoints, monkeypatch):
     # Without the CPU kernels (other devices, ASCENDSERVE_CPU_KERNELS=0) a decode step runs Gated DeltaNet
     # as plain-torch ops instead of the fused op, and attention gathers its blocks.
