@@ -27,8 +27,8 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
     args = config.args
     spec = model.kv_cache_spec()
     per_block = kv_cache_bytes_per_block(spec, args.block_size, config.kv_cache_dtype)
-    spec = model.state_cache_spec() if is_hybrid(model) else {}
-    per_slot = state_cache_bytes_per_slot(spec, config.dtype) if spec else 0
+    state_spec = model.state_cache_spec() if is_hybrid(model) else {}
+    per_slot = state_cache_bytes_per_slot(state_spec, config.dtype) if state_spec else 0
     budget, source = None, "num_gpu_blocks_override"
     if args.num_gpu_blocks_override is None:
         if args.kv_cache_memory_bytes is not None:
@@ -44,8 +44,8 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
     state_note = ""
     if state_bytes:
         state_note = (f"; state cache: {config.max_num_seqs} slots (max_num_seqs) x {per_slot} bytes = "
-                      f"{_size(state_bytes)} (conv states in {spec.get('conv_dtype') or config.dtype}, recurrent states in "
-                      f"{spec['ssm_dtype']})")
+                      f"{_size(state_bytes)} (conv states in {state_spec.get('conv_dtype') or config.dtype}, "
+                      f"recurrent states in {state_spec['ssm_dtype']})")
     if budget is None:
         num_blocks = args.num_gpu_blocks_override
     else:
