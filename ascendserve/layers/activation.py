@@ -19,9 +19,9 @@ class GatedActivation(nn.Module):
         self.act = _ACTS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 on CPU: gate and up in one pass (csrc/silu_and_mul_cpu.cpp); a compiled forward fuses the
+        # fp32 or bf16 on CPU: gate and up in one pass (csrc/silu_and_mul_cpu.cpp); a compiled forward fuses the
         # torch form instead.
-        if self.act is F.silu and (kernels := cpu_kernels.fp32_ops(x)) is not None:
+        if self.act is F.silu and (kernels := cpu_kernels.float_ops(x)) is not None:
             return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return self.act(gate) * up

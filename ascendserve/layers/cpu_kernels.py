@@ -59,6 +59,17 @@ def fp32_ops(*tensors: torch.Tensor):
     return None
 
 
+def float_ops(x: torch.Tensor, *tensors: torch.Tensor):
+    """ops() for the elementwise ops that take fp32 or bf16 (RMSNorm, SiLU-and-mul, rotary: fp32 arithmetic, bf16
+    rounded once): x fp32 or bf16 on the CPU, each other tensor fp32 or x's dtype, no forward being compiled; else
+    None."""
+    if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and all(t.device.type == "cpu" and t.dtype in (torch.float32, x.dtype) for t in tensors)
+            and not torch.compiler.is_compiling()):
+        return ops()
+    return None
+
+
 def _load():
     if env_switch("ASCENDSERVE_CPU_KERNELS") is False:
         logger.info("ASCENDSERVE_CPU_KERNELS is off: plain-torch paged decode attention and fp32 weights on CPU")

@@ -7,9 +7,10 @@ from ascendserve.layers import cpu_kernels
 
 
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor):
-    """The CPU op (csrc/rms_norm_cpu.cpp) for fp32 x (1-4 dims, the last contiguous) and weight outside a
-    compiled forward, else None."""
-    return cpu_kernels.fp32_ops(x, weight) if 1 <= x.dim() <= 4 and x.stride(-1) == 1 else None
+    """The CPU op (csrc/rms_norm_cpu.cpp) for fp32 or bf16 x (1-4 dims, the last contiguous) and weight outside a
+    compiled forward, else None. bf16 is normalized in fp32 and rounded once, as Qwen3.5's norm does (Llama's
+    rounds the normalized x before the weight's multiply: a bf16 rounding apart)."""
+    return cpu_kernels.float_ops(x, weight) if 1 <= x.dim() <= 4 and x.stride(-1) == 1 else None
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +29,8 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self._norm(x)
         if (x.dim() == 2 and x.shape == residual.shape and x.is_contiguous() and residual.is_contiguous()
-                and (kernels := cpu_kernels.fp32_ops(x, residual, self.weight)) is not None):
+                and x.dtype == residual.dtype
+                and (kernels := cpu_kernels.float_ops(x, residual, self.weight)) is not None):
             return kernels.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
         summed = x + residual
         return self._norm(summed), summed

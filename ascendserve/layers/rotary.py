@@ -54,11 +54,12 @@ class RotaryEmbedding(nn.Module):
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 
     def _cpu_op(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """The CPU op namespace for fp32 [T, H, D] q and k with int64 positions outside a compiled forward,
+        """The CPU op namespace for fp32 or bf16 [T, H, D] q and k with int64 positions outside a compiled forward,
         else None."""
         if (q.dim() == k.dim() == 3 and q.stride(-1) == k.stride(-1) == 1 and positions.device.type == "cpu"
-                and positions.dtype == torch.long and positions.dim() == 1 and positions.is_contiguous()):
-            return cpu_kernels.fp32_ops(q, k, self.cos_cache)
+                and positions.dtype == torch.long and positions.dim() == 1 and positions.is_contiguous()
+                and q.dtype == k.dtype and self.cos_cache.dtype == torch.float32):
+            return cpu_kernels.float_ops(q, k, self.cos_cache)
         return None
 
 

@@ -30,18 +30,29 @@ def test_silu_and_mul_reads_strided_rows(kernels):
 def test_silu_and_mul_bad_inputs_are_errors(kernels):
     with pytest.raises(RuntimeError, match="must be even"):
         kernels.silu_and_mul(torch.zeros(2, 5))
-    with pytest.raises(RuntimeError, match="fp32"):
-        kernels.silu_and_mul(torch.zeros(2, 4, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="fp32 or bf16 expected"):
+        kernels.silu_and_mul(torch.zeros(2, 4, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="contiguous"):
         kernels.silu_and_mul(torch.zeros(4, 2).T)
 
 
-def test_gated_activation_uses_the_op_for_fp32_silu_only(kernels, monkeypatch):
+def test_silu_and_mul_in_bf16_is_the_fp32_result_rounded_once(kernels):
+    x = (torch.randn(5, 3584, generator=torch.Generator().manual_seed(2)) * 4).bfloat16()
+    got = kernels.silu_and_mul(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 1792)
+    once = torch_form(x.float()).bfloat16()  # torch's fp32 result rounded once
+    # the same bf16 value but where the two fp32 results straddle a rounding boundary (exp's last bits): a unit apart
+    assert (got != once).float().mean() < 0.01
+    assert ((got.float() - once.float()).abs() <= 2.0 ** -7 * once.float().abs()).all()
+
+
+def test_gated_activation_uses_the_op_for_fp32_and_bf16_silu(kernels, monkeypatch):
     calls = []
     monkeypatch.setitem(cpu_kernels._state, "ops", type("Ops", (), {
         "silu_and_mul": staticmethod(lambda x: calls.append(x.dtype) or kernels.silu_and_mul(x))}))
     x = torch.randn(3, 16)
     torch.testing.assert_close(GatedActivation("silu")(x), torch_form(x))
-    GatedActivation("silu")(x.bfloat16())
+    torch.testing.assert_close(GatedActivation("silu")(x.bfloat16()), torch_form(x.bfloat16()), atol=0, rtol=2 ** -7)
+    GatedActivation("silu")(x.half())  # the torch form
     GatedActivation("gelu")(x)
-    assert calls == [torch.float32]
+    assert calls == [torch.float32, torch.bfloat16]

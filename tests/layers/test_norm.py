@@ -44,16 +44,16 @@ def test_op_reads_heads_split_out_of_a_fused_projection(kernels):
 
 
 def test_op_bad_inputs_are_errors(kernels):
-    with pytest.raises(RuntimeError, match="weight must be a contiguous fp32 \\[8\\]"):
+    with pytest.raises(RuntimeError, match="weight must be an fp32 or bf16 \\[8\\]"):
         kernels.rms_norm(torch.zeros(2, 8), torch.zeros(4), EPS, False)
     with pytest.raises(RuntimeError, match="last one contiguous"):
         kernels.rms_norm(torch.zeros(8, 2).T, torch.zeros(8), EPS, False)
-    with pytest.raises(RuntimeError, match="fp32"):
-        kernels.rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(8), EPS, False)
+    with pytest.raises(RuntimeError, match="fp32 or bf16 tensor"):
+        kernels.rms_norm(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(8), EPS, False)
 
 
 @pytest.mark.parametrize("gemma", [False, True])
-def test_norms_use_the_op_for_fp32_only(kernels, monkeypatch, gemma):
+def test_norms_use_the_op_for_fp32_and_bf16(kernels, monkeypatch, gemma):
     calls = []
     monkeypatch.setitem(cpu_kernels._state, "ops", type("Ops", (), {
         "rms_norm": staticmethod(lambda *a: calls.append(a[0].dtype) or kernels.rms_norm(*a))}))
@@ -62,8 +62,26 @@ def test_norms_use_the_op_for_fp32_only(kernels, monkeypatch, gemma):
     torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
     columns = torch.randn(16, 3).T  # last dimension strided: the torch form
     torch.testing.assert_close(ours(columns), theirs(columns), atol=1e-5, rtol=1e-5)
-    ours.to(torch.bfloat16)(x.bfloat16())  # the torch form
-    assert calls == [torch.float32]
+    ours.to(torch.bfloat16)(x.bfloat16())
+    ours.half()(x.half())  # the torch form
+    assert calls == [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1024), (3, 7, 64), (300, 576)])
+def test_bf16_op_matches_transformers_bf16_norm(kernels, gemma, shape):
+    # bf16 model: normalized in fp32 and rounded once. Qwen3.5's norm does the same (the mean summed in another
+    # order); Llama's rounds x / rms(x) to bf16 before the bf16 weight's multiply rounds again.
+    ours, theirs = _pair(gemma, shape[-1])
+    ours.to(torch.bfloat16)
+    theirs.to(torch.bfloat16)
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(4)) * 3).bfloat16()
+    got, ref = ours(x), theirs(x)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    units = 1 if gemma else 2  # bf16 units (2^-7 relative at most) between the two
+    assert ((got.float() - ref.float()).abs() <= units * 2.0 ** -7 * ref.float().abs() + 1e-6).all()
+    if gemma:
+        assert (got != ref).float().mean() < 0.02  # mostly the same value
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])
@@ -82,7 +100,21 @@ def test_add_then_norm_in_one_op_matches_transformers(kernels, monkeypatch, rows
 
 def test_add_rms_norm_bad_inputs_are_errors(kernels):
     weight = torch.ones(64)
-    with pytest.raises(RuntimeError, match="x and residual must be contiguous fp32"):
+    with pytest.raises(RuntimeError, match="x and residual must be contiguous fp32 or bf16"):
         kernels.add_rms_norm(torch.randn(2, 64), torch.randn(3, 64), weight, EPS, False)
-    with pytest.raises(RuntimeError, match="weight must be a contiguous fp32"):
+    with pytest.raises(RuntimeError, match="of one shape and dtype"):
+        kernels.add_rms_norm(torch.randn(2, 64), torch.randn(2, 64).bfloat16(), weight, EPS, False)
+    with pytest.raises(RuntimeError, match="weight must be an fp32 or bf16"):
         kernels.add_rms_norm(torch.randn(2, 64), torch.randn(2, 64), torch.ones(32), EPS, False)
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_bf16_add_then_norm_rounds_the_sum_as_the_model_would(kernels, gemma):
+    # the residual stream a bf16 model carries is x + residual rounded to bf16; the norm is taken of that
+    ours, _ = _pair(gemma, 576)
+    ours.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    x, residual = (torch.randn(9, 576, generator=gen).bfloat16(), (torch.randn(9, 576, generator=gen) * 4).bfloat16())
+    normed, summed = ours(x, residual)
+    assert torch.equal(summed, residual + x)
+    assert torch.equal(normed, kernels.rms_norm(residual + x, ours.weight, EPS, gemma))

@@ -40,12 +40,29 @@ def test_op_matches_the_torch_form(kernels, monkeypatch, head_dim, rotary_dim, h
     assert got_q.is_contiguous() and got_q.shape == q.shape
 
 
-def test_op_is_taken_for_fp32_and_not_for_bf16(kernels):
+def test_op_is_taken_for_fp32_and_bf16(kernels):
     rope = _rotary(32, 32)
     q, k, positions = torch.randn(2, 4, 32), torch.randn(2, 2, 32), torch.tensor([0, 5])
     assert rope._cpu_op(positions, q, k) is not None
-    assert rope._cpu_op(positions, q.bfloat16(), k.bfloat16()) is None
+    assert rope._cpu_op(positions, q.bfloat16(), k.bfloat16()) is not None
+    assert rope._cpu_op(positions, q.half(), k.half()) is None
+    assert rope._cpu_op(positions, q.bfloat16(), k) is None
     assert rope._cpu_op(positions.int(), q, k) is None
+
+
+def test_bf16_op_is_the_fp32_rotation_rounded_once(kernels, monkeypatch):
+    # Qwen3.5-style partial rotary on bf16 q: computed in fp32 from the fp32 cos / sin, rounded once; the channels
+    # past the rotary dim copied as they are
+    rope = _rotary(256, 64, scaling=0.9)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(7, 4, 256, generator=gen).bfloat16()
+    positions = torch.randint(0, 4096, (7,), generator=gen)
+    got, _ = rope(positions, q, q[:, :2])
+    assert got.dtype == torch.bfloat16
+    exact, _ = _torch_form(rope, positions, q.float(), q[:, :2].float(), monkeypatch)
+    assert torch.equal(got[..., 64:], q[..., 64:])
+    assert torch.equal(got, exact.bfloat16())  # exact rounding of the fp32 result, bar fp32's own ulps
+
 
 
 def test_bad_inputs_are_errors_not_crashes(kernels):

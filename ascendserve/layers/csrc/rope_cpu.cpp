@@ -1,4 +1,5 @@
-// Neox-style (rotate-half) rotary embedding of one fp32 tensor in one pass (layers/rotary.py on CPU).
+// Neox-style (rotate-half) rotary embedding of one fp32 or bf16 tensor in one pass (layers/rotary.py on CPU; bf16
+// computed in fp32 from the fp32 cos / sin and rounded once).
 //
 // The torch form is about six ops per tensor (two gathers of the cos / sin rows, a chunk, a negation,
 // a cat, two multiplies and an add), each a dispatch and a temporary; at decode sizes (a few rows of
@@ -17,10 +18,38 @@
 
 namespace {
 
+template <typename T>
+void rope_rows(const at::Tensor& x, const int64_t* pos, const float* cos_ptr, const float* sin_ptr, int64_t rot,
+               at::Tensor& out) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  const T* x_ptr = x.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const int64_t half = rot / 2, st = x.stride(0), sh = x.stride(1);
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(1, heads * dim));
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos_ptr + pos[t] * rot;
+      const float* s = sin_ptr + pos[t] * rot;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* src = x_ptr + t * st + h * sh;
+        T* dst = out_ptr + (t * heads + h) * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = static_cast<float>(src[i]), b = static_cast<float>(src[i + half]);
+          dst[i] = static_cast<T>(a * c[i] - b * s[i]);
+          dst[i + half] = static_cast<T>(b * c[i + half] + a * s[i + half]);
+        }
+        for (int64_t i = rot; i < dim; ++i) dst[i] = src[i];
+      }
+    }
+  });
+}
+
 at::Tensor rope_neox(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_cache,
                      const at::Tensor& sin_cache) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1),
-              "rope_neox: x must be an fp32 [T, H, D] tensor with a contiguous last dimension");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 3 &&
+                  (x.size(2) <= 1 || x.stride(2) == 1),
+              "rope_neox: x must be an fp32 or bf16 [T, H, D] tensor with a contiguous last dimension");
   TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && sin_cache.scalar_type() == at::kFloat &&
                   cos_cache.is_contiguous() && sin_cache.is_contiguous() && cos_cache.dim() == 2 &&
                   cos_cache.sizes() == sin_cache.sizes(),
@@ -36,27 +65,11 @@ at::Tensor rope_neox(const at::Tensor& x, const at::Tensor& positions, const at:
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rope_neox: position ", pos[t], " outside the cache's ", max_pos);
   at::Tensor out = at::empty({tokens, heads, dim}, x.options());
   if (out.numel() == 0) return out;
-  const float *x_ptr = x.data_ptr<float>(), *cos_ptr = cos_cache.data_ptr<float>(),
-              *sin_ptr = sin_cache.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  const int64_t half = rot / 2, st = x.stride(0), sh = x.stride(1);
-  const int64_t grain = std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(1, heads * dim));
-  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cos_ptr + pos[t] * rot;
-      const float* s = sin_ptr + pos[t] * rot;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* src = x_ptr + t * st + h * sh;
-        float* dst = out_ptr + (t * heads + h) * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          dst[i] = src[i] * c[i] - src[i + half] * s[i];
-          dst[i + half] = src[i + half] * c[i + half] + src[i] * s[i + half];
-        }
-        for (int64_t i = rot; i < dim; ++i) dst[i] = src[i];
-      }
-    }
-  });
+  if (x.scalar_type() == at::kFloat) {
+    rope_rows<float>(x, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(), rot, out);
+  } else {
+    rope_rows<at::BFloat16>(x, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(), rot, out);
+  }
   return out;
 }
 
