@@ -63,7 +63,10 @@ def bf16_by_default() -> bool:
     median ms per decode step at 1 / 8 / 64 streams and s per 8 x 256 prefill (session 18): Qwen3.5-0.8B shape
     fp32 53 / 102 / 746 ms, 13.3 s; bf16 122 / 189 / 851 ms, 15.1 s (torch's bf16 GEMM: 164 / 256 / 897 ms).
     The demo (SmolLM2, Q4_1) is faster in bf16 from 8 rows on (fp32 13 / 34 / 222 ms, 3.0 s; bf16 25 / 33 /
-    132 ms, 2.2 s) and slower at one, where its fp32 layers read 4-bit copies: `--dtype bfloat16` for batches."""
+    132 ms, 2.2 s) and slower at one, where its fp32 layers read 4-bit copies: `--dtype bfloat16` for batches.
+    Those bf16 figures predate the bf16 forms of the Gated DeltaNet, norm, activation and rotary ops (session 19; on a
+    2-core Xeon with AMX the Qwen3.5 shape's bf16 decode step at 8 streams is then 113 ms against 139 in fp32): to be
+    measured again on an AVX512-BF16 CPU without AMX."""
     return "amx_bf16" in cpu_flags()
 
 

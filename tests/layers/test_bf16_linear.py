@@ -209,18 +209,26 @@ def test_without_simd_tiles_weights_stay_fp32(kernels, monkeypatch):
 
 
 # -- bf16 in and out: Bf16Linear.for_bf16 (a model run in bf16) ----------------------------------------------------
-@pytest.mark.parametrize("k,n", SHAPES)
+# (K, N) for AMX's blocks: K a multiple of its 32-input step (one step, SmolLM2's 18, Qwen3.5's 112), partial panels
+AMX_SHAPES = [(32, 16), (576, 96), (3584, 70)]
+# below amx_min_rows (8), one and two blocks of 16 rows (one / two A tiles), a last block of each height, the row chunk
+AMX_ROWS = [7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 64, 100, 256, 300]
+
+
+@pytest.mark.parametrize("k,n,row_counts",
+                         [(k, n, ROWS) for k, n in SHAPES] + [(k, n, AMX_ROWS) for k, n in AMX_SHAPES])
 @pytest.mark.parametrize("bias", [True, False])
-def test_bf16x_kernel_is_the_fp32_product_of_bf16_inputs(kernels, k, n, bias):
+@pytest.mark.parametrize("op", ["bf16_linear_bf16x", "bf16_linear_bf16x_dot"])  # AMX where it runs / vdpbf16ps only
+def test_bf16x_kernel_is_the_fp32_product_of_bf16_inputs(kernels, k, n, row_counts, bias, op):
     layer = _bf16_valued_linear(k, n, bias)
     packed = pack_bf16(layer.weight.detach())
-    for rows in ROWS:
+    for rows in row_counts:
         x = torch.randn(rows, k).bfloat16()
-        # vdpbf16ps's products of two bf16 values are exact in fp32 and summed in fp32, as the fp32 kernel's are
-        out = kernels.bf16_linear_bf16x(x, packed, n, layer.bias, False)
+        # vdpbf16ps's and AMX's products of two bf16 values are exact in fp32 and summed in fp32, as the fp32 kernel's
+        out = getattr(kernels, op)(x, packed, n, layer.bias, False)
         assert_fp32_product(out, x.float(), layer)
         # bf16_out: those sums, rounded to nearest (even) bf16 in the kernel
-        assert torch.equal(kernels.bf16_linear_bf16x(x, packed, n, layer.bias, True), out.bfloat16())
+        assert torch.equal(getattr(kernels, op)(x, packed, n, layer.bias, True), out.bfloat16())
 
 
 def test_bf16x_kernel_reports_vdpbf16ps_as_the_cpu_has_it_and_rejects_bad_inputs(kernels):
@@ -233,26 +241,6 @@ def test_bf16x_kernel_reports_vdpbf16ps_as_the_cpu_has_it_and_rejects_bad_inputs
         kernels.bf16_linear_bf16x(torch.randn(3, 32).bfloat16(), packed, 40, None, True)
     with pytest.raises(RuntimeError, match="n=70 does not match 2 panels"):
         kernels.bf16_linear_bf16x(torch.randn(3, 64).bfloat16(), packed, 70, None, True)
-
-
-# (K, N) for AMX's blocks: K a multiple of its 32-input step (one step, SmolLM2's 18, Qwen3.5's 112), partial panels
-AMX_SHAPES = [(32, 16), (576, 96), (3584, 70)]
-# below amx_min_rows (8), one and two blocks of 16 rows (one / two A tiles), a last block of each height, the row chunk
-AMX_ROWS = [7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 64, 100, 256, 300]
-
-
-@pytest.mark.parametrize("k,n", AMX_SHAPES)
-@pytest.mark.parametrize("bias", [True, False])
-def test_amx_blocks_are_the_fp32_product_of_bf16_inputs(kernels, k, n, bias):
-    layer = _bf16_valued_linear(k, n, bias)
-    packed = pack_bf16(layer.weight.detach())
-    for rows in AMX_ROWS:
-        x = torch.randn(rows, k).bfloat16()
-        out = kernels.bf16_linear_bf16x(x, packed, n, layer.bias, False)  # AMX from amx_min_rows() on where it runs
-        assert_fp32_product(out, x.float(), layer)
-        assert_fp32_product(kernels.bf16_linear_bf16x_dot(x, packed, n, layer.bias, False), x.float(), layer)
-        rounded = kernels.bf16_linear_bf16x(x, packed, n, layer.bias, True)
-        assert torch.equal(rounded, out.bfloat16())
 
 
 def test_amx_is_used_as_the_cpu_has_it(kernels):

@@ -170,7 +170,7 @@ def test_bad_inputs_are_errors_not_crashes(kernels):
         layer.kernel_prefill(kernels, qkvz, ba, [3, -1], [0, 1], [False, False])
 
 
-def test_layer_uses_the_op_only_for_fp32_on_cpu(kernels, monkeypatch):
+def test_layer_uses_the_op_for_fp32_and_bf16_on_cpu_with_fp32_pools(kernels, monkeypatch):
     config = type("Config", (), dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                                      linear_value_head_dim=16, linear_conv_kernel_dim=WIDTH, hidden_act="silu",
                                      hidden_size=32, rms_norm_eps=EPS))
@@ -178,7 +178,13 @@ def test_layer_uses_the_op_only_for_fp32_on_cpu(kernels, monkeypatch):
     conv, ssm = layer.state_shapes()
     state = (torch.zeros(2, *conv), torch.zeros(2, *ssm))
     assert layer._cpu_kernels(torch.zeros(1, 8), state) is kernels
-    assert layer._cpu_kernels(torch.zeros(1, 8, dtype=torch.bfloat16), state) is None
+    assert layer._cpu_kernels(torch.zeros(1, 8, dtype=torch.bfloat16), state) is kernels  # a bf16 model, widened
+    assert layer._cpu_kernels(torch.zeros(1, 8, dtype=torch.float16), state) is None
     assert layer._cpu_kernels(torch.zeros(1, 8), (state[0].bfloat16(), state[1])) is None
+    # a bf16 layer hands the ops fp32 copies of its parameters, made once
+    layer.to(torch.bfloat16)
+    params = layer._fp32_params()
+    assert all(p.dtype == torch.float32 and p.is_contiguous() for p in params) and params is layer._fp32_params()
+    assert torch.equal(params[1], layer.A_log.float()) and params[0].shape == (layer.conv_dim, WIDTH)
     monkeypatch.setitem(cpu_kernels._state, "ops", None)
     assert layer._cpu_kernels(torch.zeros(1, 8), state) is None
