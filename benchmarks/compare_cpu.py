@@ -171,7 +171,8 @@ def _ascendserve(ns, model: Model, params: int, ctx: int, extra: str) -> Config:
     # `--dtype auto` picks on CPU (platforms/cpu.py: bf16 for a bf16 checkpoint only with AMX).
     dtype = flags[flags.index("--dtype") + 1] if "--dtype" in flags[:-1] else "auto"
     if dtype == "auto":
-        dtype = "bfloat16" if "amx_bf16" in peers.cpu_flags() and model.ascendserve_path.is_dir() else "float32"
+        half = _checkpoint_dtype(model.ascendserve_path) in ("bfloat16", "float16")
+        dtype = "bfloat16" if "amx_bf16" in peers.cpu_flags() and half else "float32"
     weights, nbytes = dtype, params * BYTES_PER_PARAM[dtype]
     if "--quantization" in flags:  # weight-only (layers/quantization.py), bytes per weight with the scales:
         weights = flags[flags.index("--quantization") + 1]  # int8: 1 (+ one scale a row); int4 in fp32: 0.5 +
@@ -190,7 +191,14 @@ def _ascendserve(ns, model: Model, params: int, ctx: int, extra: str) -> Config:
 
 
 def _checkpoint_dtype(path: Path) -> str | None:
-    """The dtype an HF directory's config.json declares (None for a GGUF file)."""
+    """The dtype an HF directory's config.json declares, or a GGUF file's as the engine reads it (loader/gguf_loader.py:
+    float32 for an F32 file, bfloat16 for a BF16 one, else float16)."""
+    if path.suffix == ".gguf":
+        import gguf  # the engine's dependency
+        from ascendserve.loader.gguf_file import GGUFFile
+        file_type = GGUFFile(str(path)).get("general.file_type")
+        return {gguf.LlamaFileType.ALL_F32: "float32", gguf.LlamaFileType.MOSTLY_BF16: "bfloat16"}.get(file_type,
+                                                                                                      "float16")
     if not path.is_dir():
         return None
     config = json.loads((path / "config.json").read_text())

@@ -85,7 +85,7 @@ def test_a_level_prefix_and_plain_flags_parse():
     assert ns.ascendserve_args == ["C=1,16:--quantization int4", ""]
 
 
-def test_a_q4_gguf_counts_its_grid_for_the_roofline(tmp_path):
+def test_a_q4_gguf_counts_its_grid_for_the_roofline(tmp_path, monkeypatch):
     # ascendserve keeps Q4_0 / Q4_1 layers as their 4-bit grid (0.5 byte + fp32 d and m per 32 inputs) and
     # Q8_0 ones (the tied embedding as lm_head) as their 8-bit grid (1 byte + fp32 d per 32) for one
     # stream; everything else is read as fp32.
@@ -109,10 +109,14 @@ def test_a_q4_gguf_counts_its_grid_for_the_roofline(tmp_path):
     assert compare_cpu.gguf_grid_decode_bytes(path) == int(expected)
     model = compare_cpu.Model("m", "title", tmp_path, path)
     ns = compare_cpu.parse_args(["--threads", "2"])
+    monkeypatch.setattr(compare_cpu.peers, "cpu_flags", lambda: {"avx512_bf16"})  # no AMX: auto is fp32
     config = compare_cpu._ascendserve(ns, model, 1000, 448, "")
     assert config.weights == "4/8-bit grids (Q4 / Q8_0), fp32 rest" and config.decode_bytes == int(expected)
     fp32 = compare_cpu._ascendserve(ns, model, 1000, 448, "ASCENDSERVE_COMPACT_WEIGHTS=0")
     assert fp32.weights == "float32" and fp32.decode_bytes == 4000
+    # with AMX a quantized GGUF (half precision by its file type) runs in bf16, the grids dequantized to bf16 panels
+    monkeypatch.setattr(compare_cpu.peers, "cpu_flags", lambda: {"amx_bf16"})
+    assert compare_cpu._ascendserve(ns, model, 1000, 448, "").weights == "bfloat16"
     bf16 = compare_cpu._ascendserve(ns, model, 1000, 448, "--dtype bfloat16")  # the grids dequantized to bf16
     assert bf16.weights == "bfloat16" and bf16.decode_bytes == 2000
 
