@@ -111,11 +111,13 @@ def _prefill_kernel_takes(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 
 def _prefill_kernel_takes_widened(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether bf16 q / k / v (a model run in bf16) go to the fp32 prefill kernel as widened copies: on CPU, head_dim
-    a multiple of 16, the kernels built. 2-core AMD EPYC (Zen 4), the demo's 8 x 256 prefill in bf16: SDPA's bf16
-    path took 18% of the step (546 ms of its 30 layers' 3 s, torch.profiler), the most after the linears."""
+    """Whether bf16 q / k / v (a model run in bf16) go to the fp32 prefill kernel as widened copies: on CPU without AMX,
+    head_dim a multiple of 16, the kernels built. 2-core AMD EPYC (Zen 4), the demo's 8 x 256 prefill in bf16: SDPA's
+    bf16 path took 18% of the step (546 ms of its 30 layers' 3 s, torch.profiler), the most after the linears. With
+    AMX SDPA's bf16 path is the faster (oneDNN's AMX GEMMs): 2-core Xeon, 8 causal sequences of 256, ms per layer, SDPA
+    bf16 / this kernel: the demo's heads (9 / 3 of 64) 2.7 / 6.5, Qwen3.5's (8 / 2 of 256) 4.9 / 17.5."""
     return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0
-            and cpu_kernels.ops() is not None)
+            and (kernels := cpu_kernels.ops()) is not None and not kernels.bf16_amx())
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:

@@ -15,7 +15,12 @@
 #include <cstdint>
 #include <tuple>
 
+#include "bf16_convert.h"
+
 namespace {
+
+using ascendserve_bf16::from_float;
+using ascendserve_bf16::to_float;
 
 // weight (fp32, or bf16 in a bf16 model) as a contiguous fp32 [hidden] tensor.
 at::Tensor fp32_weight(const at::Tensor& weight, int64_t hidden, const char* op) {
@@ -50,10 +55,10 @@ void rms_norm_rows(const at::Tensor& x, const float* w_ptr, double eps, bool uni
       const T* src = x_ptr + row_offset(r);
       T* dst = out_ptr + r * hidden;
       float squares = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) squares += static_cast<float>(src[i]) * static_cast<float>(src[i]);
+      for (int64_t i = 0; i < hidden; ++i) squares += to_float(src[i]) * to_float(src[i]);
       const float scale = 1.f / std::sqrt(squares / static_cast<float>(hidden) + epsf);
       for (int64_t i = 0; i < hidden; ++i)
-        dst[i] = static_cast<T>(static_cast<float>(src[i]) * scale * (w_ptr[i] + offset));
+        dst[i] = from_float<T>(to_float(src[i]) * scale * (w_ptr[i] + offset));
     }
   });
 }
@@ -83,13 +88,13 @@ void add_rms_norm_rows(const T* x_ptr, const T* r_ptr, const float* w_ptr, int64
     for (int64_t r = begin; r < end; ++r) {
       T* s = sum_ptr + r * hidden;
       for (int64_t i = 0; i < hidden; ++i)
-        s[i] = static_cast<T>(static_cast<float>(x_ptr[r * hidden + i]) + static_cast<float>(r_ptr[r * hidden + i]));
+        s[i] = from_float<T>(to_float(x_ptr[r * hidden + i]) + to_float(r_ptr[r * hidden + i]));
       float squares = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) squares += static_cast<float>(s[i]) * static_cast<float>(s[i]);
+      for (int64_t i = 0; i < hidden; ++i) squares += to_float(s[i]) * to_float(s[i]);
       const float scale = 1.f / std::sqrt(squares / static_cast<float>(hidden) + epsf);
       T* dst = out_ptr + r * hidden;
       for (int64_t i = 0; i < hidden; ++i)
-        dst[i] = static_cast<T>(static_cast<float>(s[i]) * scale * (w_ptr[i] + offset));
+        dst[i] = from_float<T>(to_float(s[i]) * scale * (w_ptr[i] + offset));
     }
   });
 }

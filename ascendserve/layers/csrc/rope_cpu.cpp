@@ -16,7 +16,12 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "bf16_convert.h"
+
 namespace {
+
+using ascendserve_bf16::from_float;
+using ascendserve_bf16::to_float;
 
 template <typename T>
 void rope_rows(const at::Tensor& x, const int64_t* pos, const float* cos_ptr, const float* sin_ptr, int64_t rot,
@@ -35,9 +40,9 @@ void rope_rows(const at::Tensor& x, const int64_t* pos, const float* cos_ptr, co
         T* dst = out_ptr + (t * heads + h) * dim;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float a = static_cast<float>(src[i]), b = static_cast<float>(src[i + half]);
-          dst[i] = static_cast<T>(a * c[i] - b * s[i]);
-          dst[i + half] = static_cast<T>(b * c[i + half] + a * s[i + half]);
+          const float a = to_float(src[i]), b = to_float(src[i + half]);
+          dst[i] = from_float<T>(a * c[i] - b * s[i]);
+          dst[i + half] = from_float<T>(b * c[i + half] + a * s[i + half]);
         }
         for (int64_t i = rot; i < dim; ++i) dst[i] = src[i];
       }

@@ -1,0 +1,40 @@
+// fp32 <-> bf16 for the elementwise ops that take either (rms_norm_cpu.cpp, silu_and_mul_cpu.cpp, rope_cpu.cpp), as
+// plain integer operations the compiler vectorizes: c10::BFloat16's conversions kept the loops scalar (SiLU-and-mul
+// over a 2048 x 1536 bf16 prefill: 6.5 ms, against about 1 ms in fp32).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace ascendserve_bf16 {
+
+// The element as fp32: exact for bf16 (its bits are the top half of the fp32 word).
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// fp32 to T: as it is for float; for bf16 rounded to nearest, ties to even (c10::BFloat16's rounding), NaN kept NaN.
+template <typename T>
+inline T from_float(float f);
+
+template <>
+inline float from_float<float>(float f) {
+  return f;
+}
+
+template <>
+inline at::BFloat16 from_float<at::BFloat16>(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  return at::BFloat16(static_cast<uint16_t>(nan ? 0x7fc0u : rounded), at::BFloat16::from_bits());
+}
+
+}  // namespace ascendserve_bf16
