@@ -29,7 +29,8 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
     Q4Linear and Q8Linear need the CPU kernels and ASCENDSERVE_COMPACT_WEIGHTS not 0. int8_activations: the
     Q4Linear layers multiply int8-rounded activations (Q4Panels; counted as "int8_activations") and keep no fp32
     layer beneath (their kernels take every batch). bf16 layers (a model run in bf16) -> Bf16Linear.for_bf16
-    (counted as "bf16_io"), where the kernels build and ASCENDSERVE_COMPACT_WEIGHTS is not 0. A no-op (zeros)
+    (counted as "bf16_io"), where the kernels build and ASCENDSERVE_COMPACT_WEIGHTS is not 0 (the lm_head and the
+    layers a module names in its `fp32_output_linears` return their fp32 sums unrounded). A no-op (zeros)
     where none applies, e.g. non-CPU layers (the GEMM probe then does not run either). Call after
     the weights are loaded.
     """
@@ -43,7 +44,8 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
                     if layer is not child:
                         setattr(parent, name, layer)
                 elif isinstance(child, nn.Linear) and Bf16Linear.supports_bf16(child) and (kernels := _kernels()):
-                    layer = Bf16Linear.for_bf16(child, kernels, fp32_out=name == "lm_head")
+                    fp32_out = name == "lm_head" or name in getattr(parent, "fp32_output_linears", ())
+                    layer = Bf16Linear.for_bf16(child, kernels, fp32_out=fp32_out)
                     _count(stats, "bf16_io", layer.packed.numel() * 2)
                     setattr(parent, name, layer)
     _log_linears(stats)

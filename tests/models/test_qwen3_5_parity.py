@@ -167,6 +167,9 @@ def test_bf16_model_runs_gated_deltanet_on_the_fp32_ops(checkpoints, budget, mon
               max_num_batched_tokens=budget)
     runner = llm.llm_engine.runner
     assert all(conv.dtype == torch.float32 and ssm.dtype == torch.float32 for conv, ssm in runner.state_caches)
+    gdn = [m for m in runner.model.modules() if hasattr(m, "fp32_output_linears")]
+    # the projections the fp32 ops read keep their fp32 sums; out_proj rounds as every other bf16 layer
+    assert gdn and all(m.in_proj_qkvz.fp32_out and m.in_proj_ba.fp32_out and not m.out_proj.fp32_out for m in gdn)
     monkeypatch.setitem(cpu_kernels._state, "ops", recording)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False)
     assert {"gdn_decode", "gdn_prefill"} <= set(calls)
