@@ -72,8 +72,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         if (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and _kernel_reads(q.dtype, kv_cache.dtype)
                 and _rows_contiguous(k) and _rows_contiguous(v)
                 and (kernels := cpu_kernels.ops()) is not None):  # it stores k / v too
-            return kernels.paged_decode_write(q.contiguous(), k, v, kv_cache, meta.slot_mapping,
-                                              meta.decode_block_tables, meta.decode_context_lens, scale)
+            # Its SIMD loops take fp32 queries (over any cache dtype): a bf16 / fp16 model's queries are widened
+            # (exact) and the output rounded once. 2-core Xeon, the demo in bf16, 64 streams of ~140 tokens: the
+            # 30 layers' attention 25.7 -> 22.6 ms a step (torch.profiler, 5 steps, one process each).
+            wide = q.dtype in _HALVES
+            out = kernels.paged_decode_write(q.float().contiguous() if wide else q.contiguous(), k, v, kv_cache,
+                                             meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                                             scale)
+            return out.to(q.dtype) if wide else out
         write_kv(kv_cache, k, v, meta.slot_mapping)
         return _decode(q.contiguous(), kv_cache, meta, scale)
     write_kv(kv_cache, k, v, meta.slot_mapping)
