@@ -15,8 +15,8 @@
 // Queries and cache share a dtype, or fp32 queries read a bf16 / fp16 cache (--kv-cache-dtype bfloat16:
 // half the bytes, each value widened as it is loaded).
 //
-// fp32 caches with head_dim a multiple of 16 take AVX-512 loops where built for it (AVX2 + FMA ones, 8
-// lanes, take a multiple of 8 otherwise, and bf16 (a multiple of 16) / fp16 caches under fp32 queries): a
+// fp32 queries over an fp32, bf16 or fp16 cache with head_dim a multiple of 16 take AVX-512 loops where built for it
+// (the cache widened as it is loaded; AVX2 + FMA ones, 8 lanes, take a multiple of 8 otherwise): a
 // dot product per (query row, token) in registers, exp by a polynomial 16 lanes at a time, and the V pass
 // accumulating a query row's 64-float slices in registers over a block's tokens. The portable loops below them ran at
 // ~11 GB/s with the cache in L2/L3 (demo shapes, 8 requests x 320 tokens): bound by instructions (a
@@ -81,43 +81,54 @@ inline float softmax_numerators(float* s, int64_t n) {
   return _mm512_reduce_add_ps(vsum);
 }
 
+// 16 cache values as fp32: as they are, or bf16 / fp16 widened (exact).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // acc[0 .. 16 NV) += sum_r p[r] v_r[0 .. 16 NV), v_r = v + r * stride: NV accumulators in registers.
-template <int NV>
-inline void weighted_rows(const float* v, int64_t stride, const float* p, int64_t rows, float* acc) {
+template <int NV, typename cache_t>
+inline void weighted_rows(const cache_t* v, int64_t stride, const float* p, int64_t rows, float* acc) {
   __m512 a[NV];
   for (int c = 0; c < NV; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 pr = _mm512_set1_ps(p[r]);
-    for (int c = 0; c < NV; ++c) a[c] = _mm512_fmadd_ps(pr, _mm512_loadu_ps(v + r * stride + 16 * c), a[c]);
+    for (int c = 0; c < NV; ++c) a[c] = _mm512_fmadd_ps(pr, load16(v + r * stride + 16 * c), a[c]);
   }
   for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
 }
 
 // s[r] = q . k_r for r < rows, k_r = k + r * stride, over 16 * chunks floats (NC: chunks known at compile
 // time, 0: not).
-template <int NC>
-inline void dots(const float* q, const float* k, int64_t stride, int64_t rows, int64_t chunks, float* s) {
+template <int NC, typename cache_t>
+inline void dots(const float* q, const cache_t* k, int64_t stride, int64_t rows, int64_t chunks, float* s) {
   const int64_t nc = NC > 0 ? NC : chunks;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* kt = k + r * stride;
-    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(kt));
-    for (int64_t c = 1; c < nc; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(kt + 16 * c), a);
+    const cache_t* kt = k + r * stride;
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), load16(kt));
+    for (int64_t c = 1; c < nc; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), load16(kt + 16 * c), a);
     s[r] = _mm512_reduce_add_ps(a);
   }
 }
 
-// One work item (request, kv heads h0 .. h0 + heads - 1) of fp32 attention; qf holds the scaled queries
-// [heads * group, D], scores has room for [heads * group, len], acc for [heads * group, D].
-void item_f32_avx512(const float* qf, const float* k_ptr, const float* v_ptr, const int64_t* table, int64_t len,
+// One work item (request, kv heads h0 .. h0 + heads - 1) of fp32 attention over an fp32, bf16 or fp16 cache; qf holds
+// the scaled queries [heads * group, D], scores has room for [heads * group, len], acc for [heads * group, D].
+template <typename cache_t>
+void item_avx512(const float* qf, const cache_t* k_ptr, const cache_t* v_ptr, const int64_t* table, int64_t len,
                      int64_t h0, int64_t heads, int64_t group, int64_t head_dim, int64_t block_size,
                      int64_t token_stride, int64_t block_stride, float* scores, float* acc, float* out) {
   const int64_t rows_per_item = heads * group;
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const float* kb = k_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
+    const cache_t* kb = k_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
     const int64_t rows = std::min(block_size, len - t0);
     for (int64_t j = 0; j < rows_per_item; ++j) {  // query row j reads kv head h0 + j / group
       const float* qj = qf + j * head_dim;
-      const float* kh = kb + (j / group) * head_dim;
+      const cache_t* kh = kb + (j / group) * head_dim;
       float* sj = scores + j * len + t0;
       switch (head_dim) {  // the usual sizes with the loop unrolled
         case 64: dots<4>(qj, kh, token_stride, rows, 4, sj); break;
@@ -131,10 +142,10 @@ void item_f32_avx512(const float* qf, const float* k_ptr, const float* v_ptr, co
   for (int64_t j = 0; j < rows_per_item; ++j) inv_sum[j] = 1.f / softmax_numerators(scores + j * len, len);
   std::fill(acc, acc + rows_per_item * head_dim, 0.f);
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const float* vb = v_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
+    const cache_t* vb = v_ptr + table[t0 / block_size] * block_stride + h0 * head_dim;
     const int64_t rows = std::min(block_size, len - t0);
     for (int64_t j = 0; j < rows_per_item; ++j) {
-      const float* vh = vb + (j / group) * head_dim;
+      const cache_t* vh = vb + (j / group) * head_dim;
       const float* pj = scores + j * len + t0;
       float* aj = acc + j * head_dim;
       for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
@@ -218,7 +229,7 @@ inline float dot_units(const float* q, const cache_t* k, int64_t units) {
   return hsum256(_mm256_add_ps(a0, a1));
 }
 
-// One work item of attention with AVX2 + FMA over any cache type with a Unit: item_f32_avx512's passes,
+// One work item of attention with AVX2 + FMA over any cache type with a Unit: item_avx512's passes,
 // token-major (each block's K and V rows read once, front to back, for all of the item's query rows, the
 // accumulators in L1). qf [rows, D] are the scaled queries; qp (their unit order, when it differs) and acc
 // [rows, D] (in unit order) and scores [rows, len] are workspaces.
@@ -330,11 +341,11 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
       scores.resize(rows_per_item * len);
       for (int64_t i = 0; i < rows_per_item * head_dim; ++i) qf[i] = static_cast<float>(q_item[i]) * fscale;
 #if defined(__AVX512F__)
-      if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<cache_t, float>) {
+      if constexpr (std::is_same_v<scalar_t, float>) {
         if (head_dim % 16 == 0) {
-          item_f32_avx512(qf.data(), k_ptr, v_ptr, table, len, h0, heads_per_item, group, head_dim, block_size,
-                          token_stride, block_stride, scores.data(), acc.data(),
-                          out_ptr + (b * num_heads + h0 * group) * head_dim);
+          item_avx512(qf.data(), k_ptr, v_ptr, table, len, h0, heads_per_item, group, head_dim, block_size,
+                      token_stride, block_stride, scores.data(), acc.data(),
+                      out_ptr + (b * num_heads + h0 * group) * head_dim);
           continue;
         }
       }
