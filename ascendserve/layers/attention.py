@@ -117,13 +117,14 @@ def _prefill_kernel_takes(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 
 def _prefill_kernel_takes_widened(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether bf16 q / k / v (a model run in bf16) go to the fp32 prefill kernel as widened copies: on CPU without AMX,
-    head_dim a multiple of 16, the kernels built. 2-core AMD EPYC (Zen 4), the demo's 8 x 256 prefill in bf16: SDPA's
-    bf16 path took 18% of the step (546 ms of its 30 layers' 3 s, torch.profiler), the most after the linears. With
-    AMX SDPA's bf16 path is the faster (oneDNN's AMX GEMMs): 2-core Xeon, 8 causal sequences of 256, ms per layer, SDPA
-    bf16 / this kernel: the demo's heads (9 / 3 of 64) 2.7 / 6.5, Qwen3.5's (8 / 2 of 256) 4.9 / 17.5."""
+    """Whether bf16 q / k / v (a model run in bf16) go to the fp32 prefill kernel as widened copies: on CPU, head_dim
+    a multiple of 16, the kernels built. 2-core AMD EPYC (Zen 4), the demo's 8 x 256 prefill in bf16: SDPA's bf16
+    path took 18% of the step (546 ms of its 30 layers' 3 s, torch.profiler), the most after the linears. With AMX
+    SDPA's bf16 path is the faster (2-core Xeon, 8 causal sequences of 256, ms per layer, SDPA bf16 / this kernel: the
+    demo's heads 2.7 / 6.5, Qwen3.5's 4.9 / 17.5) but rounds more: the demo's greedy answer to "What is the capital of
+    France?" lost "Paris" (tests/entrypoints/test_llm.py), so the exact fp32 attention stays everywhere."""
     return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0
-            and (kernels := cpu_kernels.ops()) is not None and not kernels.bf16_amx())
+            and cpu_kernels.ops() is not None)
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:
@@ -141,8 +142,10 @@ def _decode(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     On CPU the C++ kernel (cpu_kernels) does the same reading K/V in place, without the gather.
     """
     if (q.device.type == "cpu" and _kernel_reads(q.dtype, kv_cache.dtype)
-            and (kernels := cpu_kernels.ops()) is not None):
-        return kernels.paged_decode(q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+            and (kernels := cpu_kernels.ops()) is not None):  # fp32 queries, as paged_attention's decode-only steps
+        out = kernels.paged_decode(q.float() if q.dtype in _HALVES else q, kv_cache, meta.decode_block_tables,
+                                   meta.decode_context_lens, scale)
+        return out.to(q.dtype)
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[-2]
     kv = _gather_decode_blocks(kv_cache, meta).to(q.dtype)  # [2, Bd, T, Hk, D]
