@@ -7,8 +7,8 @@ Variants per (shape, M rows), ms per call:
   unpack+F  bf16_unpack to fp32, then F.linear (Bf16Linear above 256 rows)
   native    F.linear on bf16 x and W (torch's bf16 GEMM: oneDNN, AVX512-BF16 / AMX where the CPU has it)
   bf16x     torch.ops.ascendserve_cpu.bf16_linear_bf16x on bf16 x and the panels (what `--dtype bfloat16` runs:
-            Bf16Linear.for_bf16; AMX from amx_min_rows() rows on where the CPU has it, else vdpbf16ps where it
-            has AVX512-BF16), output rounded to bf16
+            Bf16Linear.for_bf16; AMX where the CPU has it, else vdpbf16ps where it has AVX512-BF16), output
+            rounded to bf16
   dot       bf16_linear_bf16x_dot: the same on the vdpbf16ps tile at every batch size (what bf16x was before AMX)
 Variants are interleaved round by round; each call uses the next of several weight copies (over
 --stream-mib in all) so weights come from DRAM as in a decode step. Median of --rounds. The host is

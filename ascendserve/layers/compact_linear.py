@@ -116,9 +116,9 @@ class Bf16Linear(KernelLinear):
               Qwen3.5 8192x1024      0.64/1.76/0.54    1.19/2.35/1.81    3.32/4.44/6.61   48.5/46.3/109
               Qwen3.5 248320x1024    17.3/44.1/20.2    44.0/68.1/75.2    113/143/236      1580/1454/3492
         No batch size left to the dense GEMM: the kernel is level with it at 1024 rows and faster below. Where the CPU
-        has AMX (Sapphire Rapids on), batches of amx_min_rows() (8) rows or more multiply on AMX's tiles from the
-        same panels: 2-core Xeon with AMX, ms per call, this kernel on AMX / on vdpbf16ps / F.linear's bf16 GEMM
-        (oneDNN, AMX too):
+        has AMX (Sapphire Rapids on), every batch multiplies on AMX's tiles from the same panels (every size, so that
+        a row's result does not depend on its batch): 2-core Xeon with AMX, ms per call, this kernel on AMX / on
+        vdpbf16ps / F.linear's bf16 GEMM (oneDNN, AMX too):
               shape (N x K)          M=16              M=64              M=256             M=1024
               Qwen3.5 8192x1024      0.96/1.57/1.91    1.53/5.93/2.15    4.09/23.5/5.01    14.0/97.4/13.3
               Qwen3.5 248320x1024    23.8/48.1/41.8    37.2/185/67.2     134/731/195       555/3077/669"""

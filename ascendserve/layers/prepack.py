@@ -119,7 +119,7 @@ def _log_linears(stats: dict[str, int]) -> None:
         kernels = _kernels()
         how = "with vdpbf16ps (AVX512-BF16)" if kernels.bf16_dot() else "with x widened to fp32 (no AVX512-BF16 here)"
         if kernels.bf16_amx():
-            how += f", on AMX from {kernels.amx_min_rows()} rows"
+            how = "on AMX tiles (K a multiple of 32; else " + how + ")"
         logger.info("%d bf16 linear layers kept as bf16 panels (%.1f MiB) for the CPU kernel, which multiplies them %s "
                     "and rounds the fp32 sums to bf16 (the lm_head keeps them: fp32 logits); %s=0 keeps torch's bf16 "
                     "GEMM", stats["bf16_io"], stats["bf16_io_bytes"] / 2**20, how, COMPACT_ENV_VAR)

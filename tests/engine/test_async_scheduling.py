@@ -87,13 +87,7 @@ def test_preempted_request_that_stops_leaves_the_waiting_queue():
 
 @pytest.fixture(scope="module")
 def engines():
-    # fp32, whatever `--dtype auto` picks here: the overlapped loop may run a row in a step of another size than the
-    # synchronous loop does (a finished request still holds its slot for one step), and the fp32 kernels give a row
-    # the same sums whatever its step's size. In bf16 with AMX they do not: steps of 8 rows or more multiply on AMX
-    # tiles, smaller ones on the vdpbf16ps tile, in other orders (with the vdpbf16ps tile alone bf16 gave the same
-    # tokens here too).
-    kw = dict(kv_cache_memory_bytes=64 << 20, max_model_len=512, max_num_batched_tokens=64, max_num_seqs=6,
-              dtype="float32")
+    kw = dict(kv_cache_memory_bytes=64 << 20, max_model_len=512, max_num_batched_tokens=64, max_num_seqs=6)
     return LLM(**kw), LLM(**kw, async_scheduling=True)
 
 

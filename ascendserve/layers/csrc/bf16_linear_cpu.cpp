@@ -1,6 +1,6 @@
 // y = x @ W.T + b with W stored as bf16 panels: fp32 x and output (bf16_linear), or bf16 x (bf16_linear_bf16x, a
-// model run in bf16: vdpbf16ps where the CPU has AVX512-BF16, see tile_dot, and AMX's tiles for batches of
-// amx_min_rows() rows or more where it has AMX, see tile_amx).
+// model run in bf16: AMX's tiles where the CPU has AMX, see tile_amx, else vdpbf16ps where it has AVX512-BF16, see
+// tile_dot).
 //
 // A bf16 checkpoint run in fp32 (what `--dtype auto` does on a CPU without AMX) holds every weight as fp32:
 // twice the bytes a decode step must stream, for values that are all exactly bf16. Widening bf16 to fp32 is
@@ -255,7 +255,7 @@ void tile_dot(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kpa
 // stride. A 32-row block keeps four fp32 tiles of sums (rows 0-15 / 16-31 by outputs 0-15 / 16-31) over the two A
 // tiles and the two B tiles of each step of 32 inputs: all eight tile registers.
 constexpr int kAmxRows = 32;   // x rows per block (two A tiles)
-constexpr int64_t kAmxMinRows = 8;  // see amx_min_rows
+constexpr int64_t kAmxPrefetchPairs = 64;  // how far ahead in the panel tile_amx prefetches (8 KiB)
 constexpr int64_t kAmxK = 32;  // inputs per tile step (64 bytes of bf16 per tile row)
 
 // Asks Linux for the AMX tile state once per process (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
@@ -307,7 +307,13 @@ void tile_amx(int rows, const uint32_t* x, int64_t ldx, const uint32_t* panel, i
     _tile_zero(2);
     _tile_zero(3);
   }
+  // Small blocks (decode) stream the panel from memory at the tiles' pace: its bytes kAmxPrefetchPairs pairs ahead
+  // are asked for meanwhile (one row of a 1.6 GB stack of 8192 x 1024 layers: 19.3 GB/s on the vdpbf16ps tile, 22.5
+  // on AMX with this). Larger blocks compute longer per panel byte and reread it from cache: no prefetch there.
+  const char* ahead = rows <= 16 ? reinterpret_cast<const char*>(panel) + 4 * kPanel * kAmxPrefetchPairs : nullptr;
   for (int64_t kp = 0; kp < kpairs; kp += kAmxK / 2) {
+    if (ahead)
+      for (int line = 0; line < 32; ++line) _mm_prefetch(ahead + kp * 4 * kPanel + 64 * line, _MM_HINT_T0);
     _tile_loadd(4, x + kp, x_stride);
     _tile_loadd(6, panel + kp * kPanel, panel_stride);
     _tile_loadd(7, panel + kp * kPanel + 16, panel_stride);
@@ -346,24 +352,17 @@ bool bf16_dot() {
 #endif
 }
 
-// Whether bf16_linear_bf16x multiplies batches of amx_min_rows() rows or more with AMX here: built for a CPU with
-// AMX-BF16 and the tile state granted by Linux.
+// Whether bf16_linear_bf16x multiplies with AMX here (every batch size, K a multiple of 32): built for a CPU with
+// AMX-BF16 and the tile state granted by Linux. Every batch size, so that a row's sums do not depend on how many rows
+// share its step (the vdpbf16ps tile sums in another order): with the panel prefetch of tile_amx one row streams
+// faster than on the vdpbf16ps tile (a 1.6 GB stack of 8192 x 1024 layers: 22.5 vs 19.3 GB/s), and from 2 rows on AMX
+// is level or faster (2-core Xeon, benchmarks/probe_bf16_linear.py: 8192 x 1024 at 8 rows 1.02 vs 1.09 ms, 40 rows
+// 1.48 vs 3.76).
 bool bf16_amx() {
 #if defined(ASCENDSERVE_BF16_AMX)
   return amx_permitted();
 #else
   return false;
-#endif
-}
-
-// From this many rows on, AMX (where bf16_amx()); below, the vdpbf16ps tile. Qwen3.5's layer shapes on a 2-core Xeon
-// with AMX (benchmarks/probe_bf16_linear.py, ms per call, AMX / vdpbf16ps): 8192x1024 at 1 row 1.18 / 0.84, 4 rows
-// 0.79 / 0.84, 8 rows 1.02 / 1.09, 16 rows 0.96 / 1.57; 1024x3584 at 1 row 0.70 / 0.35, 8 rows 0.25 / 0.37.
-int64_t amx_min_rows() {
-#if defined(ASCENDSERVE_BF16_AMX)
-  return kAmxMinRows;
-#else
-  return 0;
 #endif
 }
 
@@ -399,7 +398,7 @@ at::Tensor bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n, const
   };
   auto run = [&](auto* out_ptr) {
 #if defined(ASCENDSERVE_BF16_AMX)
-    if (use_amx && m_rows >= amx_min_rows() && k % kAmxK == 0 && amx_permitted()) {
+    if (use_amx && k % kAmxK == 0 && amx_permitted()) {
       auto amx_rows = [&](int64_t p, int64_t m0, int rows, int64_t cols) {
         tile_amx(rows, x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kpairs, out_ptr + m0 * n + p * kPanel,
                  n, cols, bias_ptr ? bias_ptr + p * kPanel : nullptr);
@@ -508,7 +507,6 @@ TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("bf16_unpack(Tensor packed, int n) -> Tensor");
   m.def("bf16_dot() -> bool", &bf16_dot);
   m.def("bf16_amx() -> bool", &bf16_amx);
-  m.def("amx_min_rows() -> int", &amx_min_rows);
   m.def("bf16_linear_bf16x(Tensor x, Tensor packed, int n, Tensor? bias, bool bf16_out) -> Tensor");
   m.def("bf16_linear_bf16x_dot(Tensor x, Tensor packed, int n, Tensor? bias, bool bf16_out) -> Tensor");
   m.impl("bf16_linear_bf16x", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_bf16x));
