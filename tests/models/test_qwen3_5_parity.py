@@ -161,8 +161,13 @@ def test_bf16_model_runs_gated_deltanet_on_the_fp32_ops(checkpoints, budget, mon
     path, prompts, refs = checkpoints("dense-bf16")
     calls = []
     real = cpu_kernels.ops()
-    recording = type("Recording", (), {"__getattr__": lambda _, name: (
-        lambda *a: calls.append(name) or getattr(real, name)(*a)) if name.startswith("gdn_") else getattr(real, name)})()
+
+    class Recording:  # the real ops, noting the Gated DeltaNet ones
+        def __getattr__(self, name):
+            op = getattr(real, name)
+            return (lambda *a: calls.append(name) or op(*a)) if name.startswith("gdn_") else op
+
+    recording = Recording()
     llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", num_gpu_blocks_override=256,
               max_num_batched_tokens=budget)
     runner = llm.llm_engine.runner
