@@ -23,9 +23,11 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
-#include <type_traits>
+#endif
 
 #include "panel_linear.h"
 
@@ -261,8 +263,12 @@ constexpr int64_t kAmxK = 32;  // inputs per tile step (64 bytes of bf16 per til
 // Asks Linux for the AMX tile state once per process (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 // without it the first tile instruction faults. False where the kernel refuses (then the vdpbf16ps tile runs).
 bool amx_permitted() {
+#if defined(__linux__)
   static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return permitted;
+#else
+  return false;  // the request is Linux's; elsewhere the vdpbf16ps tile
+#endif
 }
 
 struct alignas(64) AmxConfig {
