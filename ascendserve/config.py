@@ -22,6 +22,8 @@ QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, applied after loading (l
 # "auto": the model dtype; a half-precision cache under an fp32 model stores K/V rounded to 16 bits and is
 # read back widened (attention itself stays fp32; not bit-exact)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+# A hybrid model's state pools (vLLM's --mamba-cache-dtype / --mamba-ssm-cache-dtype values)
+MAMBA_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ARRIVAL_WINDOW_CAP = 10  # the first step after idle waits at most this many arrival windows
 MAX_ARRIVAL_WINDOW_MS = 1000
 ACTIVATION_QUANTIZATION_METHODS = ("int8",)  # 4-bit-weight linears' activations (layers/compact_linear.py, Q4Panels)
@@ -61,6 +63,12 @@ class EngineArgs:
     # to int8 per 32 values and multiply with integer instructions (CPU; not bit-exact)
     activation_quantization: str | None = None
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    # Recurrent-state dtypes of a hybrid model, one of MAMBA_CACHE_DTYPES each. mamba_cache_dtype: conv and recurrent
+    # states (auto: conv in the model dtype, fp32 on CPU); mamba_ssm_cache_dtype: the recurrent state alone (auto:
+    # mamba_cache_dtype, else the checkpoint's mamba_ssm_dtype, else float32). bf16 halves what decode moves; not
+    # bit-exact.
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -87,6 +95,9 @@ class EngineArgs:
             raise ValueError(f"activation_quantization must be one of {[None, *ACTIVATION_QUANTIZATION_METHODS]}, "
                              f"got {self.activation_quantization!r}")
         _check_kv_cache_dtype(self.kv_cache_dtype)
+        for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            if getattr(self, name) not in MAMBA_CACHE_DTYPES:
+                raise ValueError(f"{name} must be one of {list(MAMBA_CACHE_DTYPES)}, got {getattr(self, name)!r}")
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
         _check_positive("max_model_len", self.max_model_len)
@@ -143,4 +154,7 @@ class EngineConfig:
     served_model_name: str = ""
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # resolved when the cache is planned
     kv_cache_dtype: Any = None  # torch.dtype of the KV cache: `dtype` unless args.kv_cache_dtype says otherwise
+    # torch.dtypes a hybrid model's state pools take over its state_cache_spec's (None: the spec's own)
+    conv_state_dtype: Any = None
+    ssm_state_dtype: Any = None
     extra: dict[str, Any] = field(default_factory=dict)

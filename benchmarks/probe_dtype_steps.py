@@ -2,7 +2,7 @@
 once 1, 8 and 64 streams (128-token prompts) decode. Run it once per dtype (a process each) to choose `--dtype`.
 
     .venv/bin/python benchmarks/probe_dtype_steps.py demo float32
-    .venv/bin/python benchmarks/probe_dtype_steps.py PATH_TO_HF_DIR bfloat16
+    .venv/bin/python benchmarks/probe_dtype_steps.py PATH_TO_HF_DIR bfloat16 [--mamba-ssm-cache-dtype bfloat16]
 """
 
 import argparse
@@ -19,10 +19,12 @@ def main() -> None:
     ap.add_argument("model", help="'demo' or a checkpoint path")
     ap.add_argument("dtype", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--decode-tokens", type=int, default=24)
+    ap.add_argument("--mamba-ssm-cache-dtype", default="auto", help="a hybrid model's recurrent-state dtype")
     args = ap.parse_args()
     demo = args.model == "demo"
     llm = LLM(None if demo else args.model, skip_tokenizer_init=not demo, dtype=args.dtype, max_model_len=600,
-              kv_cache_memory_bytes=2 << 30, max_num_seqs=64, max_num_batched_tokens=2048)
+              kv_cache_memory_bytes=2 << 30, max_num_seqs=64, max_num_batched_tokens=2048,
+              mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     vocab = llm.llm_engine.config.hf_config.get_text_config().vocab_size
 
     def prompt(n: int, seed: int) -> list[int]:
@@ -50,7 +52,7 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         times.sort()
         result[f"step_ms_{streams}"] = round(1e3 * times[len(times) // 2], 1)
-    print(args.model, args.dtype, json.dumps(result), flush=True)
+    print(args.model, args.dtype, f"ssm={args.mamba_ssm_cache_dtype}", json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ NO_EFFECT_FLAGS = {
     "--additional-config": ({"type": None}, "no platform plugin reads it"),
     "--speculative-config": ({"type": None}, "speculative decoding (MTP) is not implemented"),
     "--mamba-cache-mode": ({}, "the recurrent-state cache has one mode"),
-    "--mamba-ssm-cache-dtype": ({}, "the recurrent state is kept in float32"),
     "--allowed-local-media-path": ({}, "multimodal input is not implemented"),
     "--limit-mm-per-prompt": ({"type": None}, "multimodal input is not implemented"),
     "--skip-mm-profiling": ({"action": "store_true"}, "multimodal input is not implemented"),

@@ -265,8 +265,9 @@ def recurrent_gated_delta_rule(
     """One decode step per sequence, updating ``states[state_indices]`` in place.
 
     q, k [B, Hk, dk]; v [B, Hv, dv]; g, beta [B, Hv]; states: the pool [num_slots, Hv, dk, dv]
-    (fp32); state_indices [B], distinct valid slots. Returns o [B, Hv, dv] in q's dtype. Same math
-    as ``torch_recurrent_gated_delta_rule``: S = exp(g) S; S += k (x) beta (v - S^T k); o = S^T q.
+    (fp32, or bf16 / fp16: computed in fp32, rounded once as the step stores it); state_indices [B],
+    distinct valid slots. Returns o [B, Hv, dv] in q's dtype. Same math as
+    ``torch_recurrent_gated_delta_rule``: S = exp(g) S; S += k (x) beta (v - S^T k); o = S^T q.
 
     ``slot_block = (first, order)`` says the slots are exactly first .. first+B-1 (``order``: the
     rows by ascending slot, None if already so): the pool is then updated in place, without
@@ -286,6 +287,9 @@ def recurrent_gated_delta_rule(
         s = states[first:first + k.shape[0]]
     else:
         s = states.index_select(0, state_indices)
+    stored = s  # a bf16 / fp16 pool: the step runs on an fp32 copy, rounded back once at the end
+    if s.dtype != torch.float32:
+        s = s.float()
     batch, heads, dk = k.shape
     s_rows = s.view(batch * heads, dk, -1)
     decay = g.exp().unsqueeze(-1)  # [B, H, 1]
@@ -295,8 +299,10 @@ def recurrent_gated_delta_rule(
     out = decay * s_kq[..., 1] + (k * q).sum(-1, keepdim=True) * delta
     s_rows.mul_(decay.reshape(-1, 1, 1)).baddbmm_(k.reshape(batch * heads, dk, 1),
                                                  delta.reshape(batch * heads, 1, -1))
+    if stored is not s:
+        stored.copy_(s)
     if slot_block is None:
-        states.index_copy_(0, state_indices, s)
+        states.index_copy_(0, state_indices, stored)
     elif slot_block[1] is not None:
         out = torch.empty_like(out).index_copy_(0, slot_block[1], out)
     return out.to(out_dtype)

@@ -95,11 +95,13 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     names = args.served_model_name or args.model or _demo_name()
     served = names[0] if isinstance(names, list) else names
     kv_cache_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+    conv_state_dtype, ssm_state_dtype = _resolve_state_dtypes(args, text_config, platform)
     return EngineConfig(args=args, model_path=path, hf_config=hf_config, dtype=dtype,
                         max_model_len=max_model_len, max_num_batched_tokens=budget,
                         enable_prefix_caching=_resolve_prefix_caching(args.enable_prefix_caching, text_config),
                         device=platform.device(), platform=platform, served_model_name=served,
-                        kv_cache_dtype=kv_cache_dtype)
+                        kv_cache_dtype=kv_cache_dtype, conv_state_dtype=conv_state_dtype,
+                        ssm_state_dtype=ssm_state_dtype)
 
 
 def _resolve_prefix_caching(requested: bool | None, text_config) -> bool:
@@ -117,6 +119,34 @@ def _resolve_prefix_caching(requested: bool | None, text_config) -> bool:
     elif requested is None:
         logger.info("Prefix caching is off: the model has recurrent (Gated DeltaNet) layers")
     return False
+
+
+def _resolve_state_dtypes(args: EngineArgs, text_config, platform) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(conv, recurrent) state dtypes of a hybrid model, as vLLM settles them (None: the model's state_cache_spec
+    decides; (None, None) for a model without recurrent layers).
+
+    mamba_cache_dtype sets both; mamba_ssm_cache_dtype the recurrent state alone. With both auto the recurrent
+    state takes the checkpoint's `mamba_ssm_dtype` (Qwen3.5 declares float32), else float32. On CPU the conv state
+    stays float32 whatever is asked: the fused Gated DeltaNet ops (csrc/gdn_*_cpu.cpp) read it in fp32, and it is
+    a few percent of a slot (Qwen3.5-0.8B: 72 KiB against the recurrent state's 1 MiB per layer).
+    """
+    if "linear_attention" not in (getattr(text_config, "layer_types", None) or ()):
+        return None, None
+    declared = getattr(text_config, "mamba_ssm_dtype", None)
+    declared = _DTYPE_NAMES.get(declared, torch.float32) if isinstance(declared, str) else torch.float32
+    conv = None if args.mamba_cache_dtype == "auto" else _DTYPE_NAMES[args.mamba_cache_dtype]
+    ssm_name = args.mamba_ssm_cache_dtype if args.mamba_ssm_cache_dtype != "auto" else args.mamba_cache_dtype
+    ssm = declared if ssm_name == "auto" else _DTYPE_NAMES[ssm_name]
+    if ssm != declared:
+        narrower = ssm.itemsize < declared.itemsize
+        logger.warning("Recurrent (Gated DeltaNet) states in %s, not the checkpoint's %s (--mamba-ssm-cache-dtype / "
+                       "--mamba-cache-dtype)%s", str(ssm).removeprefix("torch."), str(declared).removeprefix("torch."),
+                       ": less state memory and traffic, not bit-exact" if narrower else "")
+    if conv is not None and platform.name == "cpu" and conv != torch.float32:
+        logger.info("Conv states stay float32 on CPU (the fused Gated DeltaNet ops read them in fp32); "
+                    "mamba_cache_dtype %s applies to the recurrent states", args.mamba_cache_dtype)
+        conv = torch.float32
+    return conv, ssm
 
 
 def _demo_name() -> str:

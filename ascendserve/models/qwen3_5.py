@@ -158,12 +158,15 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         return self.out_proj(core.reshape(hidden.shape[0], self.value_dim).to(hidden.dtype))
 
     def _cpu_kernels(self, qkvz: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
-        """The CPU ops when the step can run as the fused C++ ops (fp32 pools, SiLU conv), else None. The ops
-        compute in fp32: a bf16 model's projections are widened for them and their output rounded back (its
-        conv pool is fp32 on CPU: state_cache_spec), as the recurrent state is fp32 everywhere."""
+        """The CPU ops when the step can run as the fused C++ ops (an fp32 conv pool, an fp32 or bf16 recurrent pool,
+        SiLU conv), else None. The ops compute in fp32: a bf16 model's projections are widened for them and their
+        output rounded back (its conv pool is fp32 on CPU: state_cache_spec); a bf16 recurrent state
+        (--mamba-ssm-cache-dtype bfloat16) is widened as it is read and rounded as it is written."""
         if qkvz.device.type != "cpu" or self.activation not in ("silu", "swish"):
             return None
-        if qkvz.dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != torch.float32 for t in state):
+        conv_pool, ssm_pool = state
+        if (qkvz.dtype not in (torch.float32, torch.bfloat16) or conv_pool.dtype != torch.float32
+                or ssm_pool.dtype not in (torch.float32, torch.bfloat16)):
             return None
         return cpu_kernels.ops()
 
@@ -335,7 +338,8 @@ class Qwen3_5ForCausalLM(nn.Module):
     def state_cache_spec(self) -> dict:
         """Shape of the per-sequence state: one conv and one fp32 recurrent state per Gated DeltaNet layer. The
         conv state is fp32 on CPU, where the C++ ops compute in fp32 whatever the model's dtype; elsewhere it is
-        in the model's dtype (conv_dtype None)."""
+        in the model's dtype (conv_dtype None). The engine may change either dtype (--mamba-cache-dtype,
+        --mamba-ssm-cache-dtype: worker/model_runner.py's state_cache_spec)."""
         linear = self._layers_of("linear_attn")
         conv_shape, ssm_shape = linear[0].state_shapes()
         on_cpu = self.model.embed_tokens.weight.device.type == "cpu"

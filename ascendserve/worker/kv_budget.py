@@ -8,7 +8,8 @@ import torch
 
 from ascendserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig
 from ascendserve.logger import init_logger
-from ascendserve.worker.model_runner import is_hybrid, kv_cache_bytes_per_block, state_cache_bytes_per_slot
+from ascendserve.worker.model_runner import (is_hybrid, kv_cache_bytes_per_block, state_cache_bytes_per_slot,
+                                             state_cache_spec)
 
 logger = init_logger(__name__)
 
@@ -27,7 +28,7 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
     args = config.args
     spec = model.kv_cache_spec()
     per_block = kv_cache_bytes_per_block(spec, args.block_size, config.kv_cache_dtype)
-    state_spec = model.state_cache_spec() if is_hybrid(model) else {}
+    state_spec = state_cache_spec(model, config) if is_hybrid(model) else {}
     per_slot = state_cache_bytes_per_slot(state_spec, config.dtype) if state_spec else 0
     budget, source = None, "num_gpu_blocks_override"
     if args.num_gpu_blocks_override is None:

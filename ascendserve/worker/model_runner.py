@@ -104,7 +104,7 @@ class ModelRunner:
         self.num_state_slots = config.max_num_seqs if is_hybrid(model) else 0
         self.state_caches = None
         if self.num_state_slots:
-            self.state_caches = allocate_state_caches(model.state_cache_spec(), self.num_state_slots,
+            self.state_caches = allocate_state_caches(state_cache_spec(model, config), self.num_state_slots,
                                                       config.dtype, self.device)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -186,6 +186,17 @@ def _zeros_on_huge_pages(shape, dtype: torch.dtype, device: torch.device) -> tor
 def is_hybrid(model: torch.nn.Module) -> bool:
     """True for models with recurrent layers that need a state slot per running request."""
     return hasattr(model, "state_cache_spec")
+
+
+def state_cache_spec(model: torch.nn.Module, config: EngineConfig) -> dict:
+    """The hybrid model's state_cache_spec with the state dtypes the engine settled (--mamba-cache-dtype,
+    --mamba-ssm-cache-dtype: config.conv_state_dtype / ssm_state_dtype) where it set them."""
+    spec = dict(model.state_cache_spec())
+    if config.conv_state_dtype is not None:
+        spec["conv_dtype"] = config.conv_state_dtype
+    if config.ssm_state_dtype is not None:
+        spec["ssm_dtype"] = config.ssm_state_dtype
+    return spec
 
 
 def state_cache_bytes_per_slot(spec: dict, dtype: torch.dtype) -> int:

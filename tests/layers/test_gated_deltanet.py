@@ -183,6 +183,24 @@ def test_bf16_inputs_keep_fp32_state():
     torch.testing.assert_close(o1, o1_ref.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("slot_block", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_recurrent_on_a_half_precision_pool_rounds_the_fp32_step_once(slot_block, dtype):
+    # --mamba-ssm-cache-dtype bfloat16 / float16: the step reads the pool's values, computes in fp32 and stores the
+    # new state rounded once, so it equals the fp32 step from the same (exactly representable) values, rounded.
+    slots = [1, 2, 3]
+    step = [torch.stack(xs) for xs in zip(*([x[0] for x in gdn_inputs(1, seed=30 + i)] for i in range(3)))]
+    pool = random_states(5).to(dtype)
+    pool32 = pool.float()
+    block = (1, None) if slot_block else None
+    got = recurrent_gated_delta_rule(*step, pool, torch.tensor(slots), slot_block=block, use_qk_l2norm_in_kernel=True)
+    expected = recurrent_gated_delta_rule(*step, pool32, torch.tensor(slots), use_qk_l2norm_in_kernel=True)
+    assert pool.dtype == dtype
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(pool, pool32.to(dtype))
+    assert not torch.equal(pool[slots].float(), random_states(5).to(dtype)[slots].float())  # the step did write
+
+
 # ---- causal conv1d --------------------------------------------------------------------------------
 
 C, K = 6, 4

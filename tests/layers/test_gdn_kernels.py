@@ -153,6 +153,65 @@ def test_prefill_in_pieces_then_decode_equals_one_prompt(kernels, pieces):
     assert_same_layer_state(ours, ref)
 
 
+def bf16_state_pair(hk, hv, dk, dv, num_slots, seed):
+    """A layer with a bf16 recurrent pool (--mamba-ssm-cache-dtype bfloat16) and its twin with an fp32 pool holding
+    the same values."""
+    ours, twin = Layer(hk, hv, dk, dv, num_slots, seed), Layer(hk, hv, dk, dv, num_slots, seed)
+    ours.ssm_pool = ours.ssm_pool.bfloat16()
+    twin.ssm_pool = ours.ssm_pool.float()
+    return ours, twin
+
+
+# dv 40: a 32-column block and a tail of 8 in prefill, a vector remainder in decode
+@pytest.mark.parametrize("hk,hv,dk,dv,slots", [(2, 4, 32, 16, [3]), (2, 4, 16, 40, [5, 0, 2])])
+def test_decode_on_a_bf16_state_pool_rounds_the_fp32_step_once(kernels, hk, hv, dk, dv, slots):
+    ours, twin = bf16_state_pair(hk, hv, dk, dv, num_slots=7, seed=0)
+    start = ours.ssm_pool.clone()
+    for _ in range(4):
+        qkvz, ba = ours.step_inputs(len(slots))
+        twin.step_inputs(len(slots))
+        got = ours.kernel_decode(kernels, qkvz, ba, slots)
+        expected = twin.kernel_decode(kernels, qkvz, ba, slots)  # the fp32 op from the same state values
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+        assert ours.ssm_pool.dtype == torch.bfloat16
+        assert torch.equal(ours.ssm_pool, twin.ssm_pool.bfloat16())  # rounded to nearest even, once a step
+        assert torch.equal(ours.conv_pool, twin.conv_pool)
+        twin.ssm_pool = ours.ssm_pool.float()  # the twin goes on from the rounded state
+    untouched = [s for s in range(7) if s not in slots]
+    assert torch.equal(ours.ssm_pool[untouched], start[untouched])
+
+
+def test_bf16_state_decode_stays_near_transformers_fp32(kernels):
+    # Rounding the state every step drifts from fp32 state, but slowly: 12 steps from a random state.
+    ours, _ = bf16_state_pair(2, 4, 32, 16, num_slots=3, seed=4)
+    ref = Layer(2, 4, 32, 16, num_slots=3, seed=4)
+    ref.ssm_pool = ours.ssm_pool.float()
+    for _ in range(12):
+        qkvz, ba = ours.step_inputs(2)
+        ref.step_inputs(2)
+        got = ours.kernel_decode(kernels, qkvz, ba, [2, 0])
+        torch.testing.assert_close(got, ref.reference_decode(qkvz, ba, [2, 0]), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(ours.ssm_pool.float(), ref.ssm_pool, atol=3e-2, rtol=3e-2)
+
+
+def test_prefill_on_a_bf16_state_pool(kernels):
+    # Within one 256-token segment the op keeps the state block in fp32: a prompt of up to 256 tokens gives the fp32
+    # op's outputs and its final state rounded once. The 300-token prompt rounds at its segment boundary too.
+    lengths, slots, has_initial = [1, 64, 200, 300], [4, 0, 2, 5], [True, False, True, True]
+    ours, twin = bf16_state_pair(2, 4, 16, 40, num_slots=6, seed=2)
+    start = ours.ssm_pool.clone()
+    qkvz, ba = ours.step_inputs(sum(lengths))
+    got = ours.kernel_prefill(kernels, qkvz, ba, lengths, slots, has_initial)
+    expected = twin.kernel_prefill(kernels, qkvz, ba, lengths, slots, has_initial)
+    short = sum(lengths[:3])
+    torch.testing.assert_close(got[:short], expected[:short], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[short:], expected[short:], atol=2e-2, rtol=2e-2)
+    assert torch.equal(ours.ssm_pool[slots[:3]], twin.ssm_pool[slots[:3]].bfloat16())
+    torch.testing.assert_close(ours.ssm_pool[5].float(), twin.ssm_pool[5], atol=2e-2, rtol=2e-2)
+    assert torch.equal(ours.conv_pool, twin.conv_pool)
+    assert torch.equal(ours.ssm_pool[[1, 3]], start[[1, 3]])  # nobody's slots
+
+
 def test_bad_inputs_are_errors_not_crashes(kernels):
     layer = Layer(2, 4, 16, 16, num_slots=3, seed=0)
     qkvz, ba = layer.step_inputs(2)
@@ -160,6 +219,10 @@ def test_bad_inputs_are_errors_not_crashes(kernels):
         layer.kernel_decode(kernels, qkvz, ba, [0, 3])
     with pytest.raises(RuntimeError, match="fp32"):
         layer.kernel_decode(kernels, qkvz.bfloat16(), ba, [0, 1])
+    layer.ssm_pool = layer.ssm_pool.half()
+    with pytest.raises(RuntimeError, match="recurrent-state pool must be fp32 or bf16"):
+        layer.kernel_decode(kernels, qkvz, ba, [0, 1])
+    layer.ssm_pool = layer.ssm_pool.float()
     with pytest.raises(RuntimeError, match="qkvz"):
         layer.kernel_decode(kernels, qkvz[:, 1:], ba, [0, 1])
     with pytest.raises(RuntimeError, match="slot -1 out of range"):
@@ -170,7 +233,7 @@ def test_bad_inputs_are_errors_not_crashes(kernels):
         layer.kernel_prefill(kernels, qkvz, ba, [3, -1], [0, 1], [False, False])
 
 
-def test_layer_uses_the_op_for_fp32_and_bf16_on_cpu_with_fp32_pools(kernels, monkeypatch):
+def test_layer_uses_the_op_for_fp32_and_bf16_on_cpu_with_fp32_or_bf16_state(kernels, monkeypatch):
     config = type("Config", (), dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                                      linear_value_head_dim=16, linear_conv_kernel_dim=WIDTH, hidden_act="silu",
                                      hidden_size=32, rms_norm_eps=EPS))
@@ -181,6 +244,8 @@ def test_layer_uses_the_op_for_fp32_and_bf16_on_cpu_with_fp32_pools(kernels, mon
     assert layer._cpu_kernels(torch.zeros(1, 8, dtype=torch.bfloat16), state) is kernels  # a bf16 model, widened
     assert layer._cpu_kernels(torch.zeros(1, 8, dtype=torch.float16), state) is None
     assert layer._cpu_kernels(torch.zeros(1, 8), (state[0].bfloat16(), state[1])) is None
+    assert layer._cpu_kernels(torch.zeros(1, 8), (state[0], state[1].bfloat16())) is kernels  # bf16 recurrent state
+    assert layer._cpu_kernels(torch.zeros(1, 8), (state[0], state[1].half())) is None
     # a bf16 layer hands the ops fp32 copies of its parameters, made once
     layer.to(torch.bfloat16)
     params = layer._fp32_params()

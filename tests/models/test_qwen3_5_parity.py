@@ -160,14 +160,7 @@ def test_bf16_model_runs_gated_deltanet_on_the_fp32_ops(checkpoints, budget, mon
     # 0.29 apart and its logprobs drift by 0.11 before that (ours: 0.07), so tokens may part below a 0.5 gap.
     path, prompts, refs = checkpoints("dense-bf16")
     calls = []
-    real = cpu_kernels.ops()
-
-    class Recording:  # the real ops, noting the Gated DeltaNet ones
-        def __getattr__(self, name):
-            op = getattr(real, name)
-            return (lambda *a: calls.append(name) or op(*a)) if name.startswith("gdn_") else op
-
-    recording = Recording()
+    recording = _RecordingGdnOps(cpu_kernels.ops(), calls)
     llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", num_gpu_blocks_override=256,
               max_num_batched_tokens=budget)
     runner = llm.llm_engine.runner
@@ -178,15 +171,55 @@ def test_bf16_model_runs_gated_deltanet_on_the_fp32_ops(checkpoints, budget, mon
     monkeypatch.setitem(cpu_kernels._state, "ops", recording)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False)
     assert {"gdn_decode", "gdn_prefill"} <= set(calls)
+    _assert_near_reference(outputs, refs, max_drift=0.1, min_gap=0.5)
+    _assert_clean(llm.llm_engine)
+
+
+class _RecordingGdnOps:
+    """The real CPU ops, noting each Gated DeltaNet op called in `calls`."""
+
+    def __init__(self, real, calls: list) -> None:
+        self._real, self._calls = real, calls
+
+    def __getattr__(self, name):
+        op = getattr(self._real, name)
+        return (lambda *a: self._calls.append(name) or op(*a)) if name.startswith("gdn_") else op
+
+
+def _assert_near_reference(outputs, refs, max_drift: float, min_gap: float) -> None:
+    """A not bit-exact run against transformers' fp32 greedy references: each output keeps the reference's tokens
+    with logprobs within max_drift until it parts where the reference's top two were under min_gap apart, and at
+    least half of the outputs never part."""
     whole = 0
     for out, ref in zip(outputs, refs):
         tokens, logprobs = out.outputs[0].token_ids, out.outputs[0].logprobs
         step = next((i for i, (a, b) in enumerate(zip(tokens, ref.tokens)) if a != b), len(tokens))
         drift = [abs(logprobs[i][tokens[i]].logprob - ref.logprobs[i]) for i in range(step)]
-        assert max(drift, default=0.0) < 0.1, drift  # the same tokens up to `step`, logprobs within 0.1
-        assert step == len(tokens) or ref.top2_gap[step] < 0.5, (step, ref.top2_gap[step])
+        assert max(drift, default=0.0) < max_drift, drift
+        assert step == len(tokens) or ref.top2_gap[step] < min_gap, (step, ref.top2_gap[step])
         whole += step == len(tokens)
-    assert whole >= len(prompts) // 2
+    assert whole >= len(outputs) // 2
+
+
+@pytest.mark.parametrize("fused", [True, False])  # the C++ ops, or the plain-torch path other devices run
+@pytest.mark.parametrize("budget", [48, 1024])  # chunked prefill (rounds the state at every chunk); whole prompts
+def test_bf16_recurrent_state(checkpoints, fused, budget, monkeypatch, caplog):
+    # --mamba-ssm-cache-dtype bfloat16 on an fp32 model: half the state pool, the recurrent state rounded to bf16 as
+    # it is stored; against transformers' fp32 model, which keeps fp32 state.
+    path, prompts, refs = checkpoints("dense")
+    fp32 = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=budget).llm_engine.runner.state_caches
+    calls = []
+    monkeypatch.setitem(cpu_kernels._state, "ops", _RecordingGdnOps(cpu_kernels.ops(), calls) if fused else None)
+    with caplog.at_level("INFO", logger="ascendserve"):
+        llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=budget, mamba_ssm_cache_dtype="bfloat16")
+    assert "Recurrent (Gated DeltaNet) states in bfloat16, not the checkpoint's float32" in caplog.text
+    assert "recurrent states in torch.bfloat16" in caplog.text  # the cache plan's line
+    pools = llm.llm_engine.runner.state_caches
+    assert all(conv.dtype == torch.float32 and ssm.dtype == torch.bfloat16 for conv, ssm in pools)
+    assert pools[0][1].shape == fp32[0][1].shape
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False)
+    assert ({"gdn_decode", "gdn_prefill"} <= set(calls)) == fused
+    _assert_near_reference(outputs, refs, max_drift=0.1, min_gap=0.5)
     _assert_clean(llm.llm_engine)
 
 

@@ -108,6 +108,9 @@ def test_bad_json_exit_code_in_a_real_process():
     (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
     (["--kv-cache-dtype", "fp8"], "kv_cache_dtype 'fp8' is not supported: fp8 KV caches are not implemented"),
     (["--kv-cache-dtype", "int8"], "kv_cache_dtype must be one of ['auto', 'bfloat16', 'float16'], got 'int8'"),
+    (["--mamba-ssm-cache-dtype", "fp8"],
+     "mamba_ssm_cache_dtype must be one of ['auto', 'float32', 'bfloat16', 'float16'], got 'fp8'"),
+    (["--mamba-cache-dtype", "half"], "mamba_cache_dtype must be one of"),
 ])
 def test_bad_values_stop_before_loading(started, capsys, argv, message):
     assert main(["serve", *argv]) == 2
@@ -130,6 +133,13 @@ def test_kv_cache_dtype_reaches_the_engine_without_a_warning(started, warnings):
     assert main(["serve", "--kv-cache-dtype", "bfloat16"]) == 0
     assert started["args"].kv_cache_dtype == "bfloat16" and not warnings
     assert main(["serve"]) == 0 and started["args"].kv_cache_dtype == "auto"
+
+
+def test_mamba_cache_dtypes_reach_the_engine_without_a_warning(started, warnings):
+    assert main(["serve", "--mamba-ssm-cache-dtype", "bfloat16", "--mamba-cache-dtype", "float32"]) == 0
+    args = started["args"]
+    assert (args.mamba_ssm_cache_dtype, args.mamba_cache_dtype) == ("bfloat16", "float32") and not warnings
+    assert main(["serve"]) == 0 and started["args"].mamba_ssm_cache_dtype == "auto"
 
 
 def test_vllm_api_key_env(started, monkeypatch):

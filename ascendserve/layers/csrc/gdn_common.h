@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "bf16_convert.h"
+
 namespace ascendserve_gdn {
 
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
@@ -38,14 +40,16 @@ struct Dims {
 };
 
 // The layer's sizes from the pools and the conv weight, after checking every argument both ops take:
-// fp32 throughout, qkvz [rows, C + Hv*dv] and ba [rows, 2*Hv] with contiguous columns, contiguous
+// fp32 throughout but for the recurrent-state pool (fp32 or bf16), qkvz [rows, C + Hv*dv] and ba [rows, 2*Hv] with contiguous columns, contiguous
 // conv weight [C, K] and pools [S, C, K-1] / [S, Hv, dk, dv], slots [B] int64 within the pool.
 inline Dims checked_dims(const char* op, const at::Tensor& qkvz, const at::Tensor& ba, const at::Tensor& conv_weight,
                          const at::Tensor& conv_states, const at::Tensor& ssm_states, const at::Tensor& slots,
                          const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
                          int64_t num_k_heads) {
-  for (const at::Tensor* t : {&qkvz, &ba, &conv_weight, &conv_states, &ssm_states, &A_log, &dt_bias, &norm_weight})
+  for (const at::Tensor* t : {&qkvz, &ba, &conv_weight, &conv_states, &A_log, &dt_bias, &norm_weight})
     TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": fp32 tensors expected");
+  TORCH_CHECK(ssm_states.scalar_type() == at::kFloat || ssm_states.scalar_type() == at::kBFloat16, op,
+              ": the recurrent-state pool must be fp32 or bf16");
   TORCH_CHECK(ssm_states.is_contiguous() && ssm_states.dim() == 4, op, ": contiguous pools [S, C, K-1] and "
               "[S, Hv, dk, dv] expected");
   TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2, op, ": conv_weight [C, K] contiguous expected");

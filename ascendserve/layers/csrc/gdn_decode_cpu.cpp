@@ -10,13 +10,14 @@
 //   qkvz [B, 2*Hk*dk + Hv*dv + Hv*dv]: q | k | v (the conv channels, C of them) | z (the output gate)
 //   ba   [B, 2*Hv]: b (-> beta = sigmoid(b)) | a (-> g = -exp(A_log) * softplus(a + dt_bias))
 // and the pools, indexed in place by slots[b] (distinct):
-//   conv_states [S, C, K-1] (the last K-1 conv inputs, oldest first), ssm_states [S, Hv, dk, dv].
+//   conv_states [S, C, K-1] (the last K-1 conv inputs, oldest first), ssm_states [S, Hv, dk, dv] (fp32 or bf16).
 // Per sequence b and value head h (key head h / (Hv / Hk)), with x = silu(conv(window)):
 //   q, k = l2norm(x_q), l2norm(x_k) (eps 1e-6), q *= dk^-0.5;  decay = exp(g)
 //   delta = beta (v - decay S^T k);  S = decay S + k delta^T;  o = S^T q
 //   out[b, h] = o * rsqrt(mean(o^2) + eps) * norm_weight * silu(z)
-// Everything is fp32 (Python only calls this for fp32 models), the same math as transformers'
-// torch_recurrent_gated_delta_rule followed by Qwen3_5RMSNormGated.
+// Everything is computed in fp32 (a bf16 model widens its projections for this op), the same math as transformers'
+// torch_recurrent_gated_delta_rule followed by Qwen3_5RMSNormGated. A bf16 recurrent state (--mamba-ssm-cache-dtype
+// bfloat16) is widened as it is read and rounded once a step as it is written: half the bytes a step moves.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -117,6 +119,123 @@ void conv_step(const float* qkvz, int64_t qkvz_stride, const float* weight, int6
   });
 }
 
+// One value head's delta rule on its state s [dk][dv]: kv = S^T k, delta = beta (v - decay kv), S = decay S + k delta^T,
+// o = S'^T q, with every state element read once and written once (o is taken while S' is written). A bf16 state
+// is widened row by row into `widened` [dk][dv] on the first pass, so the second reads fp32 from L2 and rounds
+// once, to nearest even, as it stores; the arithmetic is fp32 either way.
+template <typename S>
+void delta_rule_head_portable(S* s, int64_t dk, int64_t dv, const float* q, const float* k, const float* v,
+                              float beta, float decay, float* widened, float* kv, float* delta, float* o) {
+  using ascendserve_bf16::from_float;
+  using ascendserve_bf16::to_float;
+  float* f = nullptr;
+  if constexpr (std::is_same_v<S, float>)
+    f = s;
+  else
+    f = widened;
+  std::fill(kv, kv + dv, 0.f);
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = f + i * dv;
+    if constexpr (!std::is_same_v<S, float>) {
+      const S* src = s + i * dv;
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) row[j] = to_float(src[j]);
+    }
+    const float ki = k[i];
+#pragma omp simd
+    for (int64_t j = 0; j < dv; ++j) kv[j] += row[j] * ki;
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < dv; ++j) delta[j] = beta * (v[j] - decay * kv[j]);
+  std::fill(o, o + dv, 0.f);
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* row = f + i * dv;
+    S* dst = s + i * dv;
+    const float ki = k[i], qi = q[i];
+#pragma omp simd
+    for (int64_t j = 0; j < dv; ++j) {
+      const float updated = row[j] * decay + ki * delta[j];
+      dst[j] = from_float<S>(updated);
+      o[j] += updated * qi;
+    }
+  }
+}
+
+template <typename S>
+void delta_rule_head(S* s, int64_t dk, int64_t dv, const float* q, const float* k, const float* v, float beta,
+                     float decay, float* widened, float* kv, float* delta, float* o) {
+  delta_rule_head_portable(s, dk, dv, q, k, v, beta, decay, widened, kv, delta, o);
+}
+
+#if defined(__AVX512F__)
+// 16 bf16 values widened to fp32 (exact), and 16 fp32 values rounded to bf16 to nearest even (as from_float does;
+// vcvtneps2bf16 where the CPU has AVX512-BF16).
+inline __m512 load_bf16x16(const at::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+inline void store_bf16x16(at::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+#endif
+}
+
+// Columns [j, j + 16 NV) of delta_rule_head on a bf16 state, in vector registers: both passes walk the rows in memory
+// order (a Qwen3.5 head's 128 columns are one group: 256 contiguous bytes a row), widening each row as it is loaded,
+// the second pass from L1 / L2, with no fp32 copy. Walking 16-column strips (32 bytes of each 256-byte row) ran at
+// 22 GB/s of state where the fp32 state streams at 33-37 (2-core Zen 5, 64 streams x 18 Qwen3.5 layers).
+template <int NV>
+inline void delta_rule_bf16_cols(at::BFloat16* s, int64_t dk, int64_t dv, int64_t j, const float* q, const float* k,
+                                 const float* v, __m512 vbeta, __m512 vdecay, float* kv, float* delta, float* o) {
+  __m512 acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dk; ++i) {
+    const at::BFloat16* row = s + i * dv + j;
+    const __m512 ki = _mm512_set1_ps(k[i]);
+    for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(load_bf16x16(row + 16 * c), ki, acc[c]);
+  }
+  __m512 d[NV];
+  for (int c = 0; c < NV; ++c) {
+    _mm512_storeu_ps(kv + j + 16 * c, acc[c]);
+    d[c] = _mm512_mul_ps(vbeta, _mm512_fnmadd_ps(vdecay, acc[c], _mm512_loadu_ps(v + j + 16 * c)));
+    _mm512_storeu_ps(delta + j + 16 * c, d[c]);
+    acc[c] = _mm512_setzero_ps();  // now o's sums
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    at::BFloat16* row = s + i * dv + j;
+    const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+    for (int c = 0; c < NV; ++c) {
+      const __m512 updated = _mm512_fmadd_ps(load_bf16x16(row + 16 * c), vdecay, _mm512_mul_ps(ki, d[c]));
+      store_bf16x16(row + 16 * c, updated);
+      acc[c] = _mm512_fmadd_ps(updated, qi, acc[c]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + j + 16 * c, acc[c]);
+}
+
+template <>
+void delta_rule_head<at::BFloat16>(at::BFloat16* s, int64_t dk, int64_t dv, const float* q, const float* k,
+                                   const float* v, float beta, float decay, float* widened, float* kv, float* delta,
+                                   float* o) {
+  if (dv % 16 != 0) {  // the portable loops (through the fp32 copy) for other head sizes
+    delta_rule_head_portable(s, dk, dv, q, k, v, beta, decay, widened, kv, delta, o);
+    return;
+  }
+  const __m512 vdecay = _mm512_set1_ps(decay), vbeta = _mm512_set1_ps(beta);
+  int64_t j = 0;
+  for (; j + 128 <= dv; j += 128) delta_rule_bf16_cols<8>(s, dk, dv, j, q, k, v, vbeta, vdecay, kv, delta, o);
+  for (; j + 64 <= dv; j += 64) delta_rule_bf16_cols<4>(s, dk, dv, j, q, k, v, vbeta, vdecay, kv, delta, o);
+  for (; j < dv; j += 16) delta_rule_bf16_cols<1>(s, dk, dv, j, q, k, v, vbeta, vdecay, kv, delta, o);
+}
+#endif
+
 at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, const at::Tensor& conv_weight,
                       const at::Tensor& conv_states, const at::Tensor& ssm_states, const at::Tensor& slots,
                       const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
@@ -137,49 +256,34 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, const at::Te
   const float* zs = qkvz.data_ptr<float>() + channels;
   const float* bas = ba.data_ptr<float>();
   const float *a_log = A_log.data_ptr<float>(), *dt = dt_bias.data_ptr<float>(), *nw = norm_weight.data_ptr<float>();
-  float* pool = ssm_states.data_ptr<float>();
   float* o_all = out.data_ptr<float>();
   const int64_t qkvz_stride = qkvz.stride(0), ba_stride = ba.stride(0), group = num_v_heads / num_k_heads;
   const float scale = 1.f / std::sqrt(static_cast<float>(dk)), eps = static_cast<float>(norm_eps);
-  at::parallel_for(0, batch * num_v_heads, 1, [&](int64_t begin, int64_t end) {
-    FlushDenormals flush;
-    std::vector<float> q(dk), k(dk), kv(dv), delta(dv);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / num_v_heads, h = item % num_v_heads, kh = h / group;
-      const float* xb = xs + b * channels;
-      l2norm_into(xb + kh * dk, dk, scale, q.data());
-      l2norm_into(xb + key_dim + kh * dk, dk, 1.f, k.data());
-      const float* v = xb + 2 * key_dim + h * dv;
-      const float beta = 1.f / (1.f + std::exp(-bas[b * ba_stride + h]));
-      const float decay = std::exp(-std::exp(a_log[h]) * softplus(bas[b * ba_stride + num_v_heads + h] + dt[h]));
-      float* s = pool + (slot[b] * num_v_heads + h) * dk * dv;
-
-      std::fill(kv.begin(), kv.end(), 0.f);  // kv = S^T k
-      for (int64_t i = 0; i < dk; ++i) {
-        const float* row = s + i * dv;
-        const float ki = k[i];
-#pragma omp simd
-        for (int64_t j = 0; j < dv; ++j) kv[j] += row[j] * ki;
+  auto run = [&](auto* pool) {  // float* or at::BFloat16*: the recurrent-state pool's element type
+    using S = std::remove_pointer_t<decltype(pool)>;
+    at::parallel_for(0, batch * num_v_heads, 1, [&](int64_t begin, int64_t end) {
+      FlushDenormals flush;
+      std::vector<float> q(dk), k(dk), kv(dv), delta(dv);
+      std::vector<float> widened(std::is_same_v<S, float> ? 0 : dk * dv);  // a bf16 head's state in fp32
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / num_v_heads, h = item % num_v_heads, kh = h / group;
+        const float* xb = xs + b * channels;
+        l2norm_into(xb + kh * dk, dk, scale, q.data());
+        l2norm_into(xb + key_dim + kh * dk, dk, 1.f, k.data());
+        const float* v = xb + 2 * key_dim + h * dv;
+        const float beta = 1.f / (1.f + std::exp(-bas[b * ba_stride + h]));
+        const float decay = std::exp(-std::exp(a_log[h]) * softplus(bas[b * ba_stride + num_v_heads + h] + dt[h]));
+        float* o = o_all + b * value_dim + h * dv;
+        delta_rule_head(pool + (slot[b] * num_v_heads + h) * dk * dv, dk, dv, q.data(), k.data(), v, beta, decay,
+                        widened.data(), kv.data(), delta.data(), o);
+        gated_rms_norm(o, zs + b * qkvz_stride + h * dv, nw, dv, eps);
       }
-#pragma omp simd
-      for (int64_t j = 0; j < dv; ++j) delta[j] = beta * (v[j] - decay * kv[j]);
-
-      float* o = o_all + b * value_dim + h * dv;  // o = S'^T q while S' = decay S + k delta^T is written
-      std::fill(o, o + dv, 0.f);
-      for (int64_t i = 0; i < dk; ++i) {
-        float* row = s + i * dv;
-        const float ki = k[i], qi = q[i];
-#pragma omp simd
-        for (int64_t j = 0; j < dv; ++j) {
-          const float updated = row[j] * decay + ki * delta[j];
-          row[j] = updated;
-          o[j] += updated * qi;
-        }
-      }
-
-      gated_rms_norm(o, zs + b * qkvz_stride + h * dv, nw, dv, eps);
-    }
-  });
+    });
+  };
+  if (ssm_states.scalar_type() == at::kBFloat16)
+    run(ssm_states.data_ptr<at::BFloat16>());
+  else
+    run(ssm_states.data_ptr<float>());
   return out;
 }
 

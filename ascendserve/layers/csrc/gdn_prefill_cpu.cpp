@@ -6,7 +6,9 @@
 // slot holds. Per token, as transformers' torch_recurrent_gated_delta_rule (and gdn_decode) computes:
 //   q, k = l2norm(x_q), l2norm(x_k) (eps 1e-6), q *= dk^-0.5;  decay = exp(g)
 //   delta = beta (v - decay S^T k);  S = decay S + k delta^T;  o = S^T q
-// then out = norm(o) * norm_weight * silu(z). Everything fp32.
+// then out = norm(o) * norm_weight * silu(z). Everything is computed in fp32; the recurrent-state pool may be bf16
+// (--mamba-ssm-cache-dtype bfloat16): its blocks are widened into the fp32 buffer below and rounded back once per
+// segment of kSegment tokens, so a prompt's result depends a little on how it was chunked (never in fp32).
 //
 // The recurrence is run token by token, not in transformers' chunked form: a value column of S depends
 // only on its own column of v, so S is walked in blocks of kCols columns ([dk][32] floats, 16 KiB at
@@ -31,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "flush_denormals.h"
@@ -220,53 +223,69 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
   const float *xs = x.data_ptr<float>(), *bas = ba.data_ptr<float>(), *zs = qkvz.data_ptr<float>() + d.channels;
   const float *a_log = A_log.data_ptr<float>(), *dt = dt_bias.data_ptr<float>(), *nw = norm_weight.data_ptr<float>();
   const bool* initial = has_initial.data_ptr<bool>();
-  float* pool = ssm_states.data_ptr<float>();
   float* o_all = out.data_ptr<float>();
   const int64_t qkvz_stride = qkvz.stride(0), ba_stride = ba.stride(0);
   const float eps = static_cast<float>(norm_eps);
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, cu[b + 1] - cu[b]);
-  at::parallel_for(0, batch * d.hv, 1, [&](int64_t begin, int64_t end) {
-    FlushDenormals flush;
-    TokenInputs in(std::min(max_len, kSegment), d.dk, d.dv);
-    AlignedFloats block(d.dk * kCols);
-    const int64_t group = d.hv / d.hk;
-    const float scale = 1.f / std::sqrt(static_cast<float>(d.dk));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / d.hv, h = item % d.hv, kh = h / group, t0 = cu[b], len = cu[b + 1] - t0;
-      float* s = pool + (slot[b] * d.hv + h) * d.dk * d.dv;
-      if (!initial[b]) std::fill(s, s + d.dk * d.dv, 0.f);
-      if (len == 0) continue;
-      const float a_scale = std::exp(a_log[h]);
-      const int64_t q_at = kh * d.dk, k_at = d.key_dim + kh * d.dk, v_at = 2 * d.key_dim + h * d.dv;
-      for (int64_t s0 = 0; s0 < len; s0 += kSegment) {  // the tokens a segment at a time
-        const int64_t first = t0 + s0, count = std::min(kSegment, len - s0);
-        for (int64_t r = 0; r < count; ++r) {
-          const float* xr = xs + (first + r) * d.channels;
-          l2norm_into(xr + q_at, d.dk, scale, in.q.data() + r * d.dk);
-          l2norm_into(xr + k_at, d.dk, 1.f, in.k.data() + r * d.dk);
-          std::copy(xr + v_at, xr + v_at + d.dv, in.v.data() + r * d.dv);
-          const float* bar = bas + (first + r) * ba_stride;
-          in.beta[r] = 1.f / (1.f + std::exp(-bar[h]));
-          in.decay[r] = std::exp(-a_scale * softplus(bar[d.hv + h] + dt[h]));
-        }
-        for (int64_t j0 = 0; j0 < d.dv; j0 += kCols) {  // the block in, the segment's tokens, the block back
-          const int64_t nc = std::min(kCols, d.dv - j0);
-          for (int64_t i = 0; i < d.dk; ++i)
-            std::copy(s + i * d.dv + j0, s + i * d.dv + j0 + nc, block.data() + i * nc);
-          recur_block(d.dk, nc, count, in, in.v.data() + j0, d.dv, block.data(), in.o.data() + j0, d.dv);
-          for (int64_t i = 0; i < d.dk; ++i)
-            std::copy(block.data() + i * nc, block.data() + (i + 1) * nc, s + i * d.dv + j0);
-        }
-        for (int64_t r = 0; r < count; ++r) {  // gated RMSNorm of each output row
-          const float* z = zs + (first + r) * qkvz_stride + h * d.dv;
-          float* o = o_all + (first + r) * d.value_dim + h * d.dv;
-          std::copy(in.o.data() + r * d.dv, in.o.data() + (r + 1) * d.dv, o);
-          gated_rms_norm(o, z, nw, d.dv, eps);
+  auto run = [&](auto* pool) {  // float* or at::BFloat16*: the recurrent-state pool's element type
+    using S = std::remove_pointer_t<decltype(pool)>;
+    using ascendserve_bf16::from_float;
+    using ascendserve_bf16::to_float;
+    at::parallel_for(0, batch * d.hv, 1, [&](int64_t begin, int64_t end) {
+      FlushDenormals flush;
+      TokenInputs in(std::min(max_len, kSegment), d.dk, d.dv);
+      AlignedFloats block(d.dk * kCols);
+      const int64_t group = d.hv / d.hk;
+      const float scale = 1.f / std::sqrt(static_cast<float>(d.dk));
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / d.hv, h = item % d.hv, kh = h / group, t0 = cu[b], len = cu[b + 1] - t0;
+        S* s = pool + (slot[b] * d.hv + h) * d.dk * d.dv;
+        if (!initial[b]) std::fill(s, s + d.dk * d.dv, from_float<S>(0.f));
+        if (len == 0) continue;
+        const float a_scale = std::exp(a_log[h]);
+        const int64_t q_at = kh * d.dk, k_at = d.key_dim + kh * d.dk, v_at = 2 * d.key_dim + h * d.dv;
+        for (int64_t s0 = 0; s0 < len; s0 += kSegment) {  // the tokens a segment at a time
+          const int64_t first = t0 + s0, count = std::min(kSegment, len - s0);
+          for (int64_t r = 0; r < count; ++r) {
+            const float* xr = xs + (first + r) * d.channels;
+            l2norm_into(xr + q_at, d.dk, scale, in.q.data() + r * d.dk);
+            l2norm_into(xr + k_at, d.dk, 1.f, in.k.data() + r * d.dk);
+            std::copy(xr + v_at, xr + v_at + d.dv, in.v.data() + r * d.dv);
+            const float* bar = bas + (first + r) * ba_stride;
+            in.beta[r] = 1.f / (1.f + std::exp(-bar[h]));
+            in.decay[r] = std::exp(-a_scale * softplus(bar[d.hv + h] + dt[h]));
+          }
+          for (int64_t j0 = 0; j0 < d.dv; j0 += kCols) {  // the block in, the segment's tokens, the block back
+            const int64_t nc = std::min(kCols, d.dv - j0);
+            for (int64_t i = 0; i < d.dk; ++i) {
+              const S* src = s + i * d.dv + j0;
+              float* dst = block.data() + i * nc;
+#pragma omp simd
+              for (int64_t j = 0; j < nc; ++j) dst[j] = to_float(src[j]);
+            }
+            recur_block(d.dk, nc, count, in, in.v.data() + j0, d.dv, block.data(), in.o.data() + j0, d.dv);
+            for (int64_t i = 0; i < d.dk; ++i) {  // a bf16 state is rounded here, once a segment
+              const float* src = block.data() + i * nc;
+              S* dst = s + i * d.dv + j0;
+#pragma omp simd
+              for (int64_t j = 0; j < nc; ++j) dst[j] = from_float<S>(src[j]);
+            }
+          }
+          for (int64_t r = 0; r < count; ++r) {  // gated RMSNorm of each output row
+            const float* z = zs + (first + r) * qkvz_stride + h * d.dv;
+            float* o = o_all + (first + r) * d.value_dim + h * d.dv;
+            std::copy(in.o.data() + r * d.dv, in.o.data() + (r + 1) * d.dv, o);
+            gated_rms_norm(o, z, nw, d.dv, eps);
+          }
         }
       }
-    }
-  });
+    });
+  };
+  if (ssm_states.scalar_type() == at::kBFloat16)
+    run(ssm_states.data_ptr<at::BFloat16>());
+  else
+    run(ssm_states.data_ptr<float>());
   return out;
 }
 
