@@ -168,11 +168,12 @@ def _ascendserve(ns, model: Model, params: int, ctx: int, extra: str) -> Config:
     env = dict(t.split("=", 1) for t in tokens if ENV_ASSIGNMENT.match(t))  # leading NAME=value, as in a shell
     flags = [t for t in tokens if not ENV_ASSIGNMENT.match(t)]
     # The dtype the server will run (checked against its "Engine ready" log line once it runs): --dtype, else what
-    # `--dtype auto` picks on CPU (platforms/cpu.py: bf16 for a bf16 checkpoint only with AMX).
+    # `--dtype auto` picks on CPU (platforms/cpu.py: bf16 for a bf16 checkpoint with AMX or on Zen 5).
     dtype = flags[flags.index("--dtype") + 1] if "--dtype" in flags[:-1] else "auto"
     if dtype == "auto":
+        from ascendserve.platforms.cpu import bf16_by_default
         half = _checkpoint_dtype(model.ascendserve_path) in ("bfloat16", "float16")
-        dtype = "bfloat16" if "amx_bf16" in peers.cpu_flags() and half else "float32"
+        dtype = "bfloat16" if bf16_by_default() and half else "float32"
     weights, nbytes = dtype, params * BYTES_PER_PARAM[dtype]
     if "--quantization" in flags:  # weight-only (layers/quantization.py), bytes per weight with the scales:
         weights = flags[flags.index("--quantization") + 1]  # int8: 1 (+ one scale a row); int4 in fp32: 0.5 +

@@ -54,20 +54,47 @@ def cpu_has_fast_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def bf16_by_default() -> bool:
-    """Whether `--dtype auto` runs a bf16 / fp16 checkpoint in bf16 here: only with AMX.
+def cpu_identity() -> tuple[str, int | None]:
+    """(vendor_id, cpu family) from /proc/cpuinfo: ("AuthenticAMD", 26) on Zen 5; ("", None) where unknown."""
+    vendor, family = "", None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value
+                elif key == "cpu family" and family is None and value.isdigit():
+                    family = int(value)
+                if vendor and family is not None:
+                    break
+    except OSError:
+        pass
+    return vendor, family
 
-    With AVX512-BF16 alone (AMD Zen 4, Intel Cooper Lake) bf16 linears are fast (csrc/bf16_linear_cpu.cpp's
-    vdpbf16ps tile, Bf16Linear.for_bf16), but the Gated DeltaNet ops, attention kernels and norms are fp32,
-    and the model ran slower in bf16 than in fp32 with bf16 weights. 2-core AMD EPYC (Zen 4), in-process,
-    median ms per decode step at 1 / 8 / 64 streams and s per 8 x 256 prefill (session 18): Qwen3.5-0.8B shape
-    fp32 53 / 102 / 746 ms, 13.3 s; bf16 122 / 189 / 851 ms, 15.1 s (torch's bf16 GEMM: 164 / 256 / 897 ms).
-    The demo (SmolLM2, Q4_1) is faster in bf16 from 8 rows on (fp32 13 / 34 / 222 ms, 3.0 s; bf16 25 / 33 /
-    132 ms, 2.2 s) and slower at one, where its fp32 layers read 4-bit copies: `--dtype bfloat16` for batches.
-    Those bf16 figures predate the bf16 forms of the Gated DeltaNet, norm, activation and rotary ops (session 19; on a
-    2-core Xeon with AMX the Qwen3.5 shape's bf16 decode step at 8 streams is then 113 ms against 139 in fp32): to be
-    measured again on an AVX512-BF16 CPU without AMX."""
-    return "amx_bf16" in cpu_flags()
+
+ZEN5_FAMILY = 26  # AMD family 1Ah: AVX-512 (AVX512-BF16 included) on full 512-bit data paths
+
+
+def bf16_by_default() -> bool:
+    """Whether `--dtype auto` runs a bf16 / fp16 checkpoint in bf16 here: with AMX, or with AVX512-BF16 on AMD Zen 5
+    or later; elsewhere (Zen 4, Intel Cooper Lake: AVX512-BF16 without AMX) in fp32 from bf16 weights, as measured.
+
+    In-process (benchmarks/probe_dtype_steps.py), median ms per decode step at 1 / 8 / 64 streams and s per 8 x 256
+    prefill, fp32 against bf16:
+    - 2-core AMD EPYC Zen 5 (family 26, session 20, with the bf16 norm / activation / rotary / Gated DeltaNet ops):
+      Qwen3.5-0.8B shape fp32 38 / 64 / 399 ms, 7.6-8.9 s; bf16 38 / 59 / 258 ms, 4.3-4.6 s. The demo (SmolLM2,
+      Q4_1) fp32 12 / 21 / 92 ms, 1.7-1.9 s; bf16 17 / 18 / 61 ms, 0.95 s (at one stream its fp32 layers read 4-bit
+      copies).
+    - 2-core AMD EPYC Zen 4 (session 18, before those bf16 ops): Qwen3.5 shape fp32 53 / 102 / 746 ms, 13.3 s; bf16
+      122 / 189 / 851 ms, 15.1 s. The demo fp32 13 / 34 / 222 ms, 3.0 s; bf16 25 / 33 / 132 ms, 2.2 s. Zen 4 runs
+      512-bit instructions in two halves; it is to be measured again with the bf16 ops before it joins.
+    - 2-core Xeon with AMX (session 19): bf16 3.7-4.3x fp32 in prefill, 2.4-2.7x at 64 streams."""
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return True
+    vendor, family = cpu_identity()
+    return "avx512_bf16" in flags and vendor == "AuthenticAMD" and (family or 0) >= ZEN5_FAMILY
 
 
 class CpuPlatform(Platform):
@@ -89,9 +116,9 @@ class CpuPlatform(Platform):
 
     def default_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         # Measured on a 2-core AVX-512 Xeon without AMX/AVX512-BF16: bf16 GEMMs ran at ~65 GFLOP/s
-        # against ~240 for fp32, so half-precision checkpoints run in fp32 there; with AVX512-BF16 but no AMX
-        # the whole model was still faster in fp32 (bf16_by_default). With AMX, bf16 wins from about 8 rows
-        # on (shared/reference/cpu_peers.md §6); fp16 is slow on every CPU.
+        # against ~240 for fp32, so half-precision checkpoints run in fp32 there; with AVX512-BF16 on Zen 4
+        # the whole model was still faster in fp32 (bf16_by_default). With AMX, and on Zen 5, bf16 wins
+        # (shared/reference/cpu_peers.md §6, bf16_by_default); fp16 is slow on every CPU.
         if checkpoint_dtype in (torch.float16, torch.bfloat16):
             if bf16_by_default():
                 return torch.bfloat16

@@ -51,7 +51,8 @@ def test_compare_cpu_imports_only_names_its_modules_define():
 
 def test_ascendserve_args_set_environment_levels_and_weight_bytes(tmp_path, monkeypatch):
     compare_cpu = _module("compare_cpu")
-    monkeypatch.setattr(compare_cpu.peers, "cpu_flags", lambda: {"avx512_bf16"})  # no AMX: auto is fp32
+    from ascendserve.platforms import cpu
+    monkeypatch.setattr(cpu, "bf16_by_default", lambda: False)  # a CPU where auto is fp32 (Zen 4: no AMX)
     (tmp_path / "config.json").write_text('{"text_config": {"dtype": "bfloat16"}}')
     model = compare_cpu.Model("m", "title", tmp_path, tmp_path)
     ns = compare_cpu.parse_args(["--threads", "2"])
@@ -66,7 +67,7 @@ def test_ascendserve_args_set_environment_levels_and_weight_bytes(tmp_path, monk
     assert "--max-num-seqs" in spec.argv and "ASCENDSERVE_COMPACT_WEIGHTS=0" not in spec.argv
     bf16 = compare_cpu._ascendserve(ns, model, 1000, 448, "--dtype bfloat16")  # bf16 panels: 2 bytes a weight
     assert bf16.weights == "bfloat16" and bf16.decode_bytes == 2000
-    monkeypatch.setattr(compare_cpu.peers, "cpu_flags", lambda: {"amx_bf16"})  # with AMX, auto is bf16
+    monkeypatch.setattr(cpu, "bf16_by_default", lambda: True)  # with AMX or on Zen 5, auto is bf16
     assert compare_cpu._ascendserve(ns, model, 1000, 448, "").weights == "bfloat16"
 
 
@@ -109,13 +110,15 @@ def test_a_q4_gguf_counts_its_grid_for_the_roofline(tmp_path, monkeypatch):
     assert compare_cpu.gguf_grid_decode_bytes(path) == int(expected)
     model = compare_cpu.Model("m", "title", tmp_path, path)
     ns = compare_cpu.parse_args(["--threads", "2"])
-    monkeypatch.setattr(compare_cpu.peers, "cpu_flags", lambda: {"avx512_bf16"})  # no AMX: auto is fp32
+    from ascendserve.platforms import cpu
+    monkeypatch.setattr(cpu, "bf16_by_default", lambda: False)  # a CPU where auto is fp32 (Zen 4: no AMX)
     config = compare_cpu._ascendserve(ns, model, 1000, 448, "")
     assert config.weights == "4/8-bit grids (Q4 / Q8_0), fp32 rest" and config.decode_bytes == int(expected)
     fp32 = compare_cpu._ascendserve(ns, model, 1000, 448, "ASCENDSERVE_COMPACT_WEIGHTS=0")
     assert fp32.weights == "float32" and fp32.decode_bytes == 4000
-    # with AMX a quantized GGUF (half precision by its file type) runs in bf16, the grids dequantized to bf16 panels
-    monkeypatch.setattr(compare_cpu.peers, "cpu_flags", lambda: {"amx_bf16"})
+    # with AMX / on Zen 5 a quantized GGUF (half precision by its file type) runs in bf16, the grids dequantized to
+    # bf16 panels
+    monkeypatch.setattr(cpu, "bf16_by_default", lambda: True)
     assert compare_cpu._ascendserve(ns, model, 1000, 448, "").weights == "bfloat16"
     bf16 = compare_cpu._ascendserve(ns, model, 1000, 448, "--dtype bfloat16")  # the grids dequantized to bf16
     assert bf16.weights == "bfloat16" and bf16.decode_bytes == 2000

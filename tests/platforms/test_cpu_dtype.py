@@ -1,4 +1,5 @@
-"""`--dtype auto` on CPU: bf16 / fp16 checkpoints run in bf16 only where the CPU has AMX (bf16_by_default)."""
+"""`--dtype auto` on CPU: bf16 / fp16 checkpoints run in bf16 where the CPU has AMX, or AVX512-BF16 on AMD Zen 5 or
+later (bf16_by_default)."""
 
 import pytest
 import torch
@@ -11,10 +12,21 @@ ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
 SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
-@pytest.mark.parametrize("flags,half_runs_in", [(ZEN3, torch.float32), (ZEN4, torch.float32),
-                                                (SAPPHIRE_RAPIDS, torch.bfloat16), (set(), torch.float32)])
-def test_half_precision_checkpoints_run_in_bf16_only_with_amx(monkeypatch, flags, half_runs_in):
+AMD, INTEL = "AuthenticAMD", "GenuineIntel"
+
+
+@pytest.mark.parametrize("flags,identity,half_runs_in", [
+    (ZEN3, (AMD, 25), torch.float32),
+    (ZEN4, (AMD, 25), torch.float32),
+    (ZEN4, (AMD, 26), torch.bfloat16),  # Zen 5: the same flags, full-width AVX-512
+    (ZEN3, (AMD, 26), torch.float32),  # a Zen 5 VM that hides AVX-512
+    (ZEN4, (INTEL, 6), torch.float32),  # Cooper Lake: AVX512-BF16 without AMX
+    (SAPPHIRE_RAPIDS, (INTEL, 6), torch.bfloat16),
+    (set(), ("", None), torch.float32),
+])
+def test_half_precision_checkpoints_run_in_bf16_with_amx_or_on_zen5(monkeypatch, flags, identity, half_runs_in):
     monkeypatch.setattr(cpu, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(cpu, "cpu_identity", lambda: identity)
     platform = CpuPlatform()
     for checkpoint in (torch.bfloat16, torch.float16):
         assert platform.default_dtype(checkpoint) == half_runs_in
@@ -27,3 +39,10 @@ def test_cpu_flags_reads_this_machine():
     with open("/proc/cpuinfo") as f:
         line = next(ln for ln in f if ln.startswith("flags"))
     assert flags == set(line.split(":", 1)[1].split())
+
+
+def test_cpu_identity_reads_this_machine():
+    vendor, family = cpu.cpu_identity()
+    with open("/proc/cpuinfo") as f:
+        text = f.read()
+    assert f"vendor_id\t: {vendor}" in text and f"cpu family\t: {family}" in text
