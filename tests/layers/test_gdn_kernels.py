@@ -162,8 +162,10 @@ def bf16_state_pair(hk, hv, dk, dv, num_slots, seed):
     return ours, twin
 
 
-# dv 40: a 32-column block and a tail of 8 in prefill, a vector remainder in decode
-@pytest.mark.parametrize("hk,hv,dk,dv,slots", [(2, 4, 32, 16, [3]), (2, 4, 16, 40, [5, 0, 2])])
+# decode's bf16 head walks 128 / 64 / 16 columns at a time (dv 128: Qwen3.5's; 80: 64 + 16; 16), other dv the portable
+# loops (40; in prefill a 32-column block and a tail of 8)
+@pytest.mark.parametrize("hk,hv,dk,dv,slots", [(2, 4, 32, 16, [3]), (2, 4, 16, 40, [5, 0, 2]), (1, 2, 32, 128, [1, 6]),
+                                               (1, 1, 16, 80, [0])])
 def test_decode_on_a_bf16_state_pool_rounds_the_fp32_step_once(kernels, hk, hv, dk, dv, slots):
     ours, twin = bf16_state_pair(hk, hv, dk, dv, num_slots=7, seed=0)
     start = ours.ssm_pool.clone()
