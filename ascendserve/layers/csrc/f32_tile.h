@@ -69,12 +69,23 @@ __attribute__((always_inline)) inline void fma_row(const float* x, __m256 b0, __
   hi = _mm256_fmadd_ps(xv, b1, hi);
 }
 
-// The accumulators are named variables, not an array: an array of __m256 was kept on the stack by gcc
-// (a load and a store around every FMA, 3x slower). The tile's output rows are prefetched before the depth
-// loop, so they are in L1 when it ends: at prefill sizes a row block's outputs are out of cache by then, and
-// the six stores (with the read before them after the first depth block) waited on memory; the demo's four
-// layer shapes at 2048 rows: 150 -> 159 GFLOP/s.
+// The tile's output rows are prefetched before the depth loop, so they are in L1 when it ends: at prefill sizes a row
+// block's outputs are out of cache by then, and the six stores (with the read before them after the first depth block)
+// waited on memory; the demo's four layer shapes at 2048 rows: 150 -> 159 GFLOP/s (the AVX2 tile). The accumulators
+// are named variables, not an array: an array of __m256 was kept on the stack by gcc (a load and a store around every
+// FMA, 3x slower).
 #if defined(ASCENDSERVE_TILES_AVX512)
+// One input's step for a tile's six rows: a[0 .. 6) broadcast, times the input's 16 weights b, into r0 .. r5.
+__attribute__((always_inline)) inline void fma6(const float* a, __m512 b, __m512& r0, __m512& r1, __m512& r2,
+                                                __m512& r3, __m512& r4, __m512& r5) {
+  r0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), b, r0);
+  r1 = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), b, r1);
+  r2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), b, r2);
+  r3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), b, r3);
+  r4 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), b, r4);
+  r5 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), b, r5);
+}
+
 // AVX-512: a tile row's 16 outputs are one register, and two sets of six accumulators take the even and the odd
 // inputs (twelve independent FMA chains, as the AVX2 tile's twelve halves), added at the end. On a 2-core Zen 5,
 // whose 512-bit FMAs run at full width, against the AVX2 tile: the panel GEMM 185-194 -> 271-289 GFLOP/s at 2048
@@ -87,31 +98,12 @@ inline void tile_fast(int64_t kc, const float* a, const float* b, const TileOut&
   int64_t i = 0;
 #pragma GCC unroll 2
   for (; i + 2 <= kc; i += 2) {
-    const __m512 be = _mm512_loadu_ps(b), bo = _mm512_loadu_ps(b + kTileCols);
-    e0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), be, e0);
-    e1 = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), be, e1);
-    e2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), be, e2);
-    e3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), be, e3);
-    e4 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), be, e4);
-    e5 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), be, e5);
-    o0 = _mm512_fmadd_ps(_mm512_set1_ps(a[6]), bo, o0);
-    o1 = _mm512_fmadd_ps(_mm512_set1_ps(a[7]), bo, o1);
-    o2 = _mm512_fmadd_ps(_mm512_set1_ps(a[8]), bo, o2);
-    o3 = _mm512_fmadd_ps(_mm512_set1_ps(a[9]), bo, o3);
-    o4 = _mm512_fmadd_ps(_mm512_set1_ps(a[10]), bo, o4);
-    o5 = _mm512_fmadd_ps(_mm512_set1_ps(a[11]), bo, o5);
+    fma6(a, _mm512_loadu_ps(b), e0, e1, e2, e3, e4, e5);
+    fma6(a + kTileRows, _mm512_loadu_ps(b + kTileCols), o0, o1, o2, o3, o4, o5);
     a += 2 * kTileRows;
     b += 2 * kTileCols;
   }
-  if (i < kc) {
-    const __m512 be = _mm512_loadu_ps(b);
-    e0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), be, e0);
-    e1 = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), be, e1);
-    e2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), be, e2);
-    e3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), be, e3);
-    e4 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), be, e4);
-    e5 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), be, e5);
-  }
+  if (i < kc) fma6(a, _mm512_loadu_ps(b), e0, e1, e2, e3, e4, e5);
   const __m512 rows[kTileRows] = {_mm512_add_ps(e0, o0), _mm512_add_ps(e1, o1), _mm512_add_ps(e2, o2),
                                   _mm512_add_ps(e3, o3), _mm512_add_ps(e4, o4), _mm512_add_ps(e5, o5)};
   for (int m = 0; m < to.rows; ++m) {
@@ -131,7 +123,7 @@ inline void tile_fast(int64_t kc, const float* a, const float* b, const TileOut&
     }
   }
 }
-#else
+#else  // AVX2: 6 rows x (2 x 8) outputs
 inline void tile_fast(int64_t kc, const float* a, const float* b, const TileOut& to) {
   for (int m = 0; m < to.rows; ++m) {  // 16 outputs: one or two cache lines
     _mm_prefetch(reinterpret_cast<const char*>(to.out + m * to.ldo), _MM_HINT_T0);
