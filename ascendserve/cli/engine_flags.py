@@ -46,12 +46,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              f"(the CPU default) stores K/V in half the memory (twice the cached tokens) and halves "
                              f"what decode attention reads; attention still computes in float32; not bit-exact")
     parser.add_argument("--mamba-cache-dtype", default=d.mamba_cache_dtype,
-                        help=f"one of {list(MAMBA_CACHE_DTYPES)}: dtype of a hybrid model's conv and recurrent (Gated DeltaNet) states; auto: conv in the "
-                             "model dtype (float32 on CPU, whatever is asked), recurrent as --mamba-ssm-cache-dtype")
+                        help=f"one of {list(MAMBA_CACHE_DTYPES)}: dtype of a hybrid model's conv and recurrent (Gated "
+                             "DeltaNet) states; auto: conv in the model dtype (float32 on CPU, whatever is asked), "
+                             "recurrent as --mamba-ssm-cache-dtype")
     parser.add_argument("--mamba-ssm-cache-dtype", default=d.mamba_ssm_cache_dtype,
-                        help=f"one of {list(MAMBA_CACHE_DTYPES)}: dtype of the recurrent states alone; auto: --mamba-cache-dtype, else the checkpoint's "
-                             "mamba_ssm_dtype (Qwen3.5: float32). bfloat16 halves the state pool and what each decode "
-                             "step moves (computed in float32 either way; not bit-exact)")
+                        help=f"one of {list(MAMBA_CACHE_DTYPES)}: dtype of the recurrent states alone; auto: "
+                             "--mamba-cache-dtype, else the checkpoint's mamba_ssm_dtype (Qwen3.5: float32). bfloat16 "
+                             "halves the state pool and what each decode step moves (computed in float32 either way; "
+                             "not bit-exact)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -119,10 +119,10 @@ void conv_step(const float* qkvz, int64_t qkvz_stride, const float* weight, int6
   });
 }
 
-// One value head's delta rule on its state s [dk][dv]: kv = S^T k, delta = beta (v - decay kv), S = decay S + k delta^T,
-// o = S'^T q, with every state element read once and written once (o is taken while S' is written). A bf16 state
-// is widened row by row into `widened` [dk][dv] on the first pass, so the second reads fp32 from L2 and rounds
-// once, to nearest even, as it stores; the arithmetic is fp32 either way.
+// One value head's delta rule on its state s [dk][dv]: kv = S^T k, delta = beta (v - decay kv),
+// S = decay S + k delta^T, o = S'^T q, with every state element read once and written once (o is taken while S' is
+// written). A bf16 state is widened row by row into `widened` [dk][dv] on the first pass, so the second reads fp32
+// from L2 and rounds once, to nearest even, as it stores; the arithmetic is fp32 either way.
 template <typename S>
 void delta_rule_head_portable(S* s, int64_t dk, int64_t dv, const float* q, const float* k, const float* v,
                               float beta, float decay, float* widened, float* kv, float* delta, float* o) {
