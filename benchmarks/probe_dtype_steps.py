@@ -3,6 +3,7 @@ once 1, 8 and 64 streams (128-token prompts) decode. Run it once per dtype (a pr
 
     .venv/bin/python benchmarks/probe_dtype_steps.py demo float32
     .venv/bin/python benchmarks/probe_dtype_steps.py PATH_TO_HF_DIR bfloat16 [--mamba-ssm-cache-dtype bfloat16]
+        [--quantization int4]
 """
 
 import argparse
@@ -20,11 +21,12 @@ def main() -> None:
     ap.add_argument("dtype", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--decode-tokens", type=int, default=24)
     ap.add_argument("--mamba-ssm-cache-dtype", default="auto", help="a hybrid model's recurrent-state dtype")
+    ap.add_argument("--quantization", default=None, help="weight-only int8 / int4 (applied at load)")
     args = ap.parse_args()
     demo = args.model == "demo"
     llm = LLM(None if demo else args.model, skip_tokenizer_init=not demo, dtype=args.dtype, max_model_len=600,
               kv_cache_memory_bytes=2 << 30, max_num_seqs=64, max_num_batched_tokens=2048,
-              mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
+              mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, quantization=args.quantization)
     vocab = llm.llm_engine.config.hf_config.get_text_config().vocab_size
 
     def prompt(n: int, seed: int) -> list[int]:
@@ -52,7 +54,8 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         times.sort()
         result[f"step_ms_{streams}"] = round(1e3 * times[len(times) // 2], 1)
-    print(args.model, args.dtype, f"ssm={args.mamba_ssm_cache_dtype}", json.dumps(result), flush=True)
+    print(args.model, args.dtype, f"ssm={args.mamba_ssm_cache_dtype}", f"quantization={args.quantization}",
+          json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
