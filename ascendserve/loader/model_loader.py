@@ -104,13 +104,18 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                         ssm_state_dtype=ssm_state_dtype)
 
 
+def _has_recurrent_layers(text_config) -> bool:
+    """Whether the model has recurrent (Gated DeltaNet) layers, by its config's layer_types."""
+    return "linear_attention" in (getattr(text_config, "layer_types", None) or ())
+
+
 def _resolve_prefix_caching(requested: bool | None, text_config) -> bool:
     """On unless turned off, except for hybrid models (recurrent layers), where it is always off.
 
     A prefix hit on a hybrid model would need the recurrent state at the prefix boundary, which
     is not kept yet: reusing only the KV blocks would be silently wrong.
     """
-    if "linear_attention" not in (getattr(text_config, "layer_types", None) or ()):
+    if not _has_recurrent_layers(text_config):
         return requested is not False
     if requested:
         logger.warning("enable_prefix_caching is ignored: this model has recurrent (Gated DeltaNet) layers, "
@@ -130,7 +135,7 @@ def _resolve_state_dtypes(args: EngineArgs, text_config, platform) -> tuple[torc
     stays float32 whatever is asked: the fused Gated DeltaNet ops (csrc/gdn_*_cpu.cpp) read it in fp32, and it is
     a few percent of a slot (Qwen3.5-0.8B: 72 KiB against the recurrent state's 1 MiB per layer).
     """
-    if "linear_attention" not in (getattr(text_config, "layer_types", None) or ()):
+    if not _has_recurrent_layers(text_config):
         return None, None
     declared = getattr(text_config, "mamba_ssm_dtype", None)
     declared = _DTYPE_NAMES.get(declared, torch.float32) if isinstance(declared, str) else torch.float32

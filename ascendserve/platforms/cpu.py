@@ -39,13 +39,26 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return False
 
 
-def cpu_flags() -> set[str]:
-    """The `flags` line of /proc/cpuinfo (empty where it cannot be read)."""
+def _cpuinfo(*keys: str) -> dict[str, str]:
+    """The first value /proc/cpuinfo gives for each of `keys` (the first CPU's; missing where it cannot be read)."""
+    found: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split(":", 1)[-1].split())
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in keys and key not in found:
+                    found[key] = value.strip()
+                    if len(found) == len(keys):
+                        break
     except OSError:
-        return set()
+        pass
+    return found
+
+
+def cpu_flags() -> set[str]:
+    """The `flags` line of /proc/cpuinfo (empty where it cannot be read)."""
+    return set(_cpuinfo("flags").get("flags", "").split())
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -56,21 +69,9 @@ def cpu_has_fast_bf16() -> bool:
 
 def cpu_identity() -> tuple[str, int | None]:
     """(vendor_id, cpu family) from /proc/cpuinfo: ("AuthenticAMD", 26) on Zen 5; ("", None) where unknown."""
-    vendor, family = "", None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key, value = key.strip(), value.strip()
-                if key == "vendor_id" and not vendor:
-                    vendor = value
-                elif key == "cpu family" and family is None and value.isdigit():
-                    family = int(value)
-                if vendor and family is not None:
-                    break
-    except OSError:
-        pass
-    return vendor, family
+    info = _cpuinfo("vendor_id", "cpu family")
+    family = info.get("cpu family", "")
+    return info.get("vendor_id", ""), int(family) if family.isdigit() else None
 
 
 ZEN5_FAMILY = 26  # AMD family 1Ah: AVX-512 (AVX512-BF16 included) on full 512-bit data paths

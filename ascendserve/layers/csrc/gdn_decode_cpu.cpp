@@ -161,6 +161,16 @@ void delta_rule_head_portable(S* s, int64_t dk, int64_t dv, const float* q, cons
   }
 }
 
+// Whether a bf16 head of dv columns runs in vector registers (delta_rule_head<at::BFloat16> below), with no fp32 copy.
+inline bool bf16_head_in_registers(int64_t dv) {
+#if defined(__AVX512F__)
+  return dv % 16 == 0;
+#else
+  (void)dv;
+  return false;
+#endif
+}
+
 template <typename S>
 void delta_rule_head(S* s, int64_t dk, int64_t dv, const float* q, const float* k, const float* v, float beta,
                      float decay, float* widened, float* kv, float* delta, float* o) {
@@ -224,7 +234,7 @@ template <>
 void delta_rule_head<at::BFloat16>(at::BFloat16* s, int64_t dk, int64_t dv, const float* q, const float* k,
                                    const float* v, float beta, float decay, float* widened, float* kv, float* delta,
                                    float* o) {
-  if (dv % 16 != 0) {  // the portable loops (through the fp32 copy) for other head sizes
+  if (!bf16_head_in_registers(dv)) {  // the portable loops (through the fp32 copy) for other head sizes
     delta_rule_head_portable(s, dk, dv, q, k, v, beta, decay, widened, kv, delta, o);
     return;
   }
@@ -264,7 +274,8 @@ at::Tensor gdn_decode(const at::Tensor& qkvz, const at::Tensor& ba, const at::Te
     at::parallel_for(0, batch * num_v_heads, 1, [&](int64_t begin, int64_t end) {
       FlushDenormals flush;
       std::vector<float> q(dk), k(dk), kv(dv), delta(dv);
-      std::vector<float> widened(std::is_same_v<S, float> ? 0 : dk * dv);  // a bf16 head's state in fp32
+      // a bf16 head's state in fp32, for the portable loops only
+      std::vector<float> widened(std::is_same_v<S, float> || bf16_head_in_registers(dv) ? 0 : dk * dv);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / num_v_heads, h = item % num_v_heads, kh = h / group;
         const float* xb = xs + b * channels;
