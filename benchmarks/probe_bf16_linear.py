@@ -10,12 +10,18 @@ Variants per (shape, M rows), ms per call:
             Bf16Linear.for_bf16; AMX where the CPU has it, else vdpbf16ps where it has AVX512-BF16), output
             rounded to bf16
   dot       bf16_linear_bf16x_dot: the same on the vdpbf16ps tile at every batch size (what bf16x was before AMX)
+  q4        torch.ops.ascendserve_cpu.q4_linear on fp32 x and the weight on a 4-bit grid per 64 inputs
+            (`--quantization int4` in an fp32 model: GridInt4Linear)
+  q4bf16x   q4_linear_bf16x on bf16 x and the same 4-bit panels, output rounded to bf16 (`--quantization int4` in
+            a bf16 model)
+  i4torch   torch._weight_int4pack_mm_for_cpu on bf16 x, group 64 (what a bf16 model's int4 layers ran before)
 Variants are interleaved round by round; each call uses the next of several weight copies (over
 --stream-mib in all) so weights come from DRAM as in a decode step. Median of --rounds. The host is
 shared: run it twice.
 
     .venv/bin/python benchmarks/probe_bf16_linear.py [--shapes smol|qwen|all] [--rows 1,8,64,256,2048]
-        [--rounds 9] [--threads N] [--stream-mib 256] [--variants fp32,mkl-pack,bf16,unpack+F,native,bf16x,dot]
+        [--rounds 9] [--threads N] [--stream-mib 256]
+        [--variants fp32,mkl-pack,bf16,unpack+F,native,bf16x,dot,q4,q4bf16x,i4torch]
 """
 
 import argparse
@@ -26,10 +32,26 @@ import torch
 import torch.nn.functional as F
 
 from ascendserve.layers import cpu_kernels
-from ascendserve.layers.compact_linear import pack_bf16
+from ascendserve.layers.compact_linear import pack_bf16, pack_q4, round_to_grid
 from probe_packed_linear import SHAPES  # this directory is on sys.path when run as a script
 
 MKL_MAX_ROWS = 128
+Q4_GROUP = 64  # inputs per (d, m) block, as --quantization int4
+Q4_VARIANTS = ("q4", "q4bf16x", "i4torch")
+
+
+def q4_forms(weight: torch.Tensor, need_torch: bool):
+    """(the 4-bit panels, torch's int4 pack and bf16 scales or None) of a weight rounded to a grid per 64 inputs."""
+    n, k = weight.shape
+    blocks = weight.reshape(n, k // Q4_GROUP, Q4_GROUP)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    d = (hi - lo) / 15
+    q = round_to_grid(blocks, d, lo).to(torch.uint8).reshape(n, k)
+    panels = pack_q4(q, d, lo)
+    if not need_torch or n % 16:
+        return panels, None
+    scales_zeros = torch.stack([d.t(), (lo + 8 * d).t()], dim=-1).contiguous().bfloat16()
+    return panels, (torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2), scales_zeros)
 
 
 def main() -> None:
@@ -58,24 +80,33 @@ def main() -> None:
         packs = [pack_bf16(w) for w in weights]
         natives = [w.bfloat16() for w in weights]
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, 64) for w in weights]
+        q4 = []
+        if any(name in Q4_VARIANTS for name in chosen) and k % Q4_GROUP == 0:  # 8x the copies: 5/8 byte a weight
+            q4_copies = max(1, min(64, int(args.stream_mib * 2**20 // (n * k * 5 / 8))))
+            q4 = [q4_forms(weights[i % copies], "i4torch" in chosen) for i in range(q4_copies)]
         for rows in rows_list:
             x = torch.randn(rows, k)
             xb = x.bfloat16()
             variants = {
-                "fp32": lambda i: F.linear(x, weights[i]),
-                "mkl-pack": (lambda i: torch.ops.mkl._mkl_linear(x, mkl[i], weights[i], None, rows))
+                "fp32": lambda i: F.linear(x, weights[i % copies]),
+                "mkl-pack": (lambda i: torch.ops.mkl._mkl_linear(x, mkl[i % copies], weights[i % copies], None, rows))
                 if rows <= MKL_MAX_ROWS else None,
-                "bf16": lambda i: ops.bf16_linear(x, packs[i], n, None),
-                "unpack+F": lambda i: F.linear(x, ops.bf16_unpack(packs[i], n)),
-                "native": lambda i: F.linear(xb, natives[i]),
-                "bf16x": lambda i: ops.bf16_linear_bf16x(xb, packs[i], n, None, True),
-                "dot": lambda i: ops.bf16_linear_bf16x_dot(xb, packs[i], n, None, True),
+                "bf16": lambda i: ops.bf16_linear(x, packs[i % copies], n, None),
+                "unpack+F": lambda i: F.linear(x, ops.bf16_unpack(packs[i % copies], n)),
+                "native": lambda i: F.linear(xb, natives[i % copies]),
+                "bf16x": lambda i: ops.bf16_linear_bf16x(xb, packs[i % copies], n, None, True),
+                "dot": lambda i: ops.bf16_linear_bf16x_dot(xb, packs[i % copies], n, None, True),
+                "q4": (lambda i: ops.q4_linear(x, *q4[i % len(q4)][0], n, None)) if q4 else None,
+                "q4bf16x": (lambda i: ops.q4_linear_bf16x(xb, *q4[i % len(q4)][0], n, None, True)) if q4 else None,
+                "i4torch": (lambda i: torch._weight_int4pack_mm_for_cpu(xb, q4[i % len(q4)][1][0], Q4_GROUP,
+                                                                        q4[i % len(q4)][1][1]))
+                if q4 and q4[0][1] is not None else None,
             }
             times = {name: [] for name in chosen if variants[name] is not None}
             for r in range(args.rounds + 1):
                 for name in times:
                     start = time.perf_counter()
-                    variants[name](r % copies)
+                    variants[name](r)
                     if r:  # round 0 warms up
                         times[name].append((time.perf_counter() - start) * 1e3)
             med = {name: statistics.median(t) for name, t in times.items()}

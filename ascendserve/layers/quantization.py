@@ -28,14 +28,15 @@ AVX512-BF16, ms per call for SmolLM2's gate_up 3072x576:
     so memory then grows by the quantized lm_head copy, while decode still reads fewer bytes.
 The output always has the input's (model) dtype.
 
-int4 on a CPU with the C++ kernels (AVX-512 or AVX2 tiles), fp32 model (what `--dtype auto` picks without native
-bf16): `GridInt4Linear` instead, W ~= d * q + m per group of GRID_GROUP inputs with fp32 d and m, kept
-in the 4-bit panel layout of csrc/q4_linear_cpu.cpp (the kernel a Q4_0 / Q4_1 GGUF's layers use,
-layers/compact_linear.py) and multiplied in fp32: no bf16 rounding of the activations, and every layer
-shape fits (N is padded to the 32-row panel, so Qwen3.5's in_proj_ba is quantized too).
-0.625 bytes a weight (0.5 for q, 0.125 for d and m); llama.cpp's Q4_0 is 0.5625. Batches of up to
-GRID_KERNEL_MAX_ROWS rows use the kernel, larger ones the weight dequantized for the call + the dense
-GEMM (no dense copy is kept); lm_head always the kernel. The crossover depends on the tiles: 256 rows
+int4 on a CPU with the C++ kernels (AVX-512 or AVX2 tiles), fp32 or bf16 model: `GridInt4Linear` instead (a bf16
+model's int4 layers took torch's kernel until session 21: 1.5-3x slower, see GridInt4Linear), W ~= d * q + m per
+group of GRID_GROUP inputs with fp32 d and m, kept in the 4-bit panel layout of csrc/q4_linear_cpu.cpp (the kernel
+a Q4_0 / Q4_1 GGUF's layers use, layers/compact_linear.py) and multiplied with fp32 sums (an fp32 model's
+activations are not rounded to bf16), and every layer shape fits (N is padded to the 32-row panel, so Qwen3.5's
+in_proj_ba is quantized too). 0.625 bytes a weight (0.5 for q, 0.125 for d and m); llama.cpp's Q4_0 is 0.5625.
+In an fp32 model, batches of up to GRID_KERNEL_MAX_ROWS rows use the kernel, larger ones the weight dequantized
+for the call + the dense GEMM (no dense copy is kept); lm_head always the kernel; a bf16 model's layers the
+kernel for every batch. The crossover depends on the tiles: 256 rows
 with AVX-512 (Intel Xeon); with AVX2 (AMD EPYC, Qwen3.5 shapes, kernel vs q4_unpack + oneDNN, ms) 64
 rows 7.0-15.5 vs 9.0-22.3, 96 rows 10.1-22.3 vs 10.5-20.6, 128 rows 13.8-29.7 vs 12.2-28.6, 256 rows
 27.7-65.4 vs 22.2-62.1: the 4-row AVX2 tile converts each nibble for 4 rows only.
@@ -147,20 +148,37 @@ class WeightOnlyLinear(nn.Module):
 
 
 class GridInt4Linear(Q4Panels, KernelLinear):
-    """int4 for fp32 models on CPU: W ~= d * q + m per group of inputs, q in 0..15, fp32 d and m, fp32 compute.
+    """int4 on CPU: W ~= d * q + m per group of inputs, q in 0..15, fp32 d and m, fp32 sums.
 
     Asymmetric round-to-nearest per group (d = (max - min) / 15, m = min), like llama.cpp's Q4_1 but
-    with fp32 d and m and GRID_GROUP inputs. Batches of up to max_rows rows run csrc/q4_linear_cpu.cpp's
-    kernel on the 4-bit panels; larger ones multiply the weight it dequantizes for the call (q4_unpack)
-    with F.linear.
+    with fp32 d and m and GRID_GROUP inputs. An fp32 layer: batches of up to max_rows rows run
+    csrc/q4_linear_cpu.cpp's fp32 kernel on the 4-bit panels, larger ones multiply the weight it dequantizes for
+    the call (q4_unpack) with F.linear. A bf16 layer (a model run in bf16, `bf16_io`): q4_linear_bf16x for every
+    batch, bf16 x on the same panels (vdpbf16ps where the CPU has AVX512-BF16: q exact in bf16, exact products,
+    fp32 sums), rounded to bf16 once unless fp32_out (the lm_head, and the layers a model names in its
+    `fp32_output_linears`, as Bf16Linear.for_bf16). Every batch size on one kernel, so a row's result does not
+    depend on its batch; measured (Zen 5, 2 threads, weights from DRAM, benchmarks/probe_bf16_linear.py, ms per
+    call) q4_linear_bf16x / q4_linear on fp32 x / torch's _weight_int4pack_mm_for_cpu on bf16 x / the unquantized
+    bf16 tile:
+          shape (N x K)          M=1                     M=64                    M=2048
+          Qwen3.5 8192x1024      0.12/0.22/0.22/0.64     1.87/3.44/4.84/1.97     64.4/127/150/58.7
+          Qwen3.5 1024x3584      0.05/0.08/0.09/0.14     0.72/1.40/2.04/0.68     22.3/47.5/65.5/20.4
+          Qwen3.5 248320x1024    4.96/5.22/5.79/13.1     51.2/101/164/44.1
+    At prefill sizes the kernel is within 10-25% of the unquantized bf16 tile: no dequantized path there.
     """
 
     weight_format = "int4 grid"
 
-    def __init__(self, linear: nn.Linear, kernels, max_rows: int | None = None) -> None:
+    def __init__(self, linear: nn.Linear, kernels, max_rows: int | None = None, fp32_out: bool = False) -> None:
         super().__init__(linear, kernels)
+        self.bf16_io = linear.weight.dtype == torch.bfloat16
+        self.fp32_out = fp32_out and self.bf16_io
         self.max_rows = GRID_KERNEL_MAX_ROWS[kernels.tile_lanes()] if max_rows is None else max_rows
+        if self.bf16_io:
+            self.max_rows = 1 << 62  # one kernel for every batch
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        if self.bias is not None and self.bf16_io:
+            self.register_buffer("bias_fp32", self.bias.detach().float(), persistent=False)
         weight = linear.weight.detach().float()
         n, k = weight.shape
         self.group_size = GRID_GROUP if k % GRID_GROUP == 0 else 32
@@ -175,10 +193,20 @@ class GridInt4Linear(Q4Panels, KernelLinear):
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
-        """An fp32 CPU layer with in_features a multiple of 32, on a CPU where the kernels built."""
+        """An fp32 or bf16 CPU layer with in_features a multiple of 32, on a CPU where the kernels built."""
         weight = linear.weight
-        return (weight.dtype == torch.float32 and weight.device.type == "cpu" and linear.in_features % 32 == 0
-                and tile_kernels() is not None)
+        return (weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
+                and linear.in_features % 32 == 0 and tile_kernels() is not None)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.bf16_io:
+            return super()._kernel(x)
+        bias = self.bias_fp32 if self.bias is not None else None
+        if self.int8_activations and x.shape[0] > 1:  # the int8-activation kernel reads fp32 x (exact from bf16)
+            out = self.kernels.q4_a8_linear(x.float(), self.q, self.scales, self.mins, self.out_features, bias)
+            return out if self.fp32_out else out.bfloat16()
+        return self.kernels.q4_linear_bf16x(x, self.q, self.scales, self.mins, self.out_features, bias,
+                                            not self.fp32_out)
 
     def _large(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.dequantize(), self.bias)
@@ -188,8 +216,9 @@ class GridInt4Linear(Q4Panels, KernelLinear):
         return self.kernels.q4_unpack(self.q, self.scales, self.mins, self.out_features)
 
     def extra_repr(self) -> str:
-        rows = "" if self.int8_activations else f", kernel up to {self.max_rows} rows"
-        return super().extra_repr() + f", group_size={self.group_size}{rows}"
+        rows = "" if self.int8_activations or self.bf16_io else f", kernel up to {self.max_rows} rows"
+        out = ", fp32 out" if self.fp32_out else ""
+        return super().extra_repr() + f", group_size={self.group_size}{rows}{out}"
 
 
 def _unpack_int4(packed: torch.Tensor, n: int, k: int, block_n: int | None = None) -> torch.Tensor:
@@ -241,7 +270,8 @@ def quantize_model_(model: nn.Module, method: str, int8_activations: bool = Fals
                 continue
             rows = LM_HEAD_KERNEL_MAX_ROWS if name == "lm_head" else None
             if method == "int4" and GridInt4Linear.supports(child):
-                layer = GridInt4Linear(child, tile_kernels(), rows)
+                fp32_out = name == "lm_head" or name in getattr(parent, "fp32_output_linears", ())
+                layer = GridInt4Linear(child, tile_kernels(), rows, fp32_out=fp32_out)
                 if int8_activations:
                     layer.use_int8_activations()
                     a8 += 1

@@ -131,13 +131,42 @@ def test_int4_on_fp32_cpu_layers_uses_the_grid_kernel_for_every_shape(grid_kerne
     assert "int4" in caplog.text
 
 
-def test_int8_and_bf16_models_keep_torch_kernels(grid_kernels):
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64).to(torch.bfloat16))
-    quantize_model_(model, "int4")
-    assert isinstance(model[0], GridInt4Linear) and isinstance(model[1], WeightOnlyLinear)
+def test_int8_models_keep_torch_kernels(grid_kernels):
     model = nn.Sequential(nn.Linear(64, 64))
     quantize_model_(model, "int8")
     assert isinstance(model[0], WeightOnlyLinear)
+
+
+class _Bf16Block(nn.Module):
+    fp32_output_linears = ("gates",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.gates, self.lm_head = nn.Linear(64, 40), nn.Linear(64, 32), nn.Linear(64, 96, bias=False)
+        self.odd = nn.Linear(48, 32)  # in_features not a multiple of 32: stays dense
+        self.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_int4_on_bf16_layers_uses_the_grid_kernel_with_bf16_io(grid_kernels, int8_activations):
+    torch.manual_seed(0)
+    model = _Bf16Block()
+    stats = quantize_model_(model, "int4", int8_activations=int8_activations)
+    assert all(isinstance(getattr(model, name), GridInt4Linear) for name in ("proj", "gates", "lm_head"))
+    assert type(model.odd) is nn.Linear and stats["quantized"] == 3 and stats["skipped"] == 1
+    assert model.proj.bf16_io and not model.proj.fp32_out and model.gates.fp32_out and model.lm_head.fp32_out
+    weight = model.proj.dequantize().double()
+    for rows in (1, 2, 9, 300):  # one kernel for every batch (with int8 activations: from two rows on)
+        x = torch.randn(rows, 64).bfloat16()
+        out = model.proj(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
+        ref = F.linear(x.double(), weight, model.proj.bias.double())
+        scale = F.linear(x.double().abs(), weight.abs(), model.proj.bias.double().abs())
+        # rounded to bf16 once (2^-8 relative), plus the int8 rounding of x where it applies (1/254 of max |x|)
+        bound = (2.0 ** -8 + (2 / 127 if int8_activations and rows > 1 else 0)) * scale + 1e-6
+        assert ((out.double() - ref).abs() <= bound).all(), rows
+    assert model.gates(x).dtype == model.lm_head(x).dtype == torch.float32  # fp32 sums, not rounded
+    assert "bf16 in and out" in repr(model.proj) and "fp32 out" in repr(model.lm_head)
 
 
 # -- end to end: logprob drift of the greedy tokens against the unquantized engine ----------------------
@@ -158,12 +187,15 @@ def _qwen3_5(path):
     model.save_pretrained(path)
 
 
+# The engine's arguments per measured method (the reference: the unquantized fp32 engine).
+METHODS = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
+           "int4+a8": {"quantization": "int4", "activation_quantization": "int8"},
+           "bf16": {"dtype": "bfloat16"}, "int4 bf16": {"dtype": "bfloat16", "quantization": "int4"}}
+
+
 def _drift(path: str, method: str, prompts, reference) -> list[float]:
-    """|logprob| change of each reference token, teacher-forced (the reference's own prefix each step).
-    method "int4+a8": --quantization int4 --activation-quantization int8."""
-    weights, _, activations = method.partition("+a")
-    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", quantization=weights,
-              activation_quantization="int" + activations if activations else None)
+    """|logprob| change of each reference token, teacher-forced (the reference's own prefix each step)."""
+    llm = LLM(path, skip_tokenizer_init=True, **{"dtype": "float32", **METHODS[method]})
     requests, targets = [], []
     for prompt, (tokens, _) in zip(prompts, reference):
         for i in range(MAX_NEW):
@@ -193,7 +225,7 @@ def drift(request, tmp_path_factory):
                                                                           o.outputs[0].token_ids)])
                  for o in outputs]
     del llm
-    methods = ("int8", "int4", "int4+a8") if tile_kernels() is not None else ("int8", "int4")
+    methods = tuple(METHODS) if tile_kernels() is not None else ("int8", "int4")
     return {method: _drift(path, method, prompts, reference) for method in methods}
 
 
@@ -215,6 +247,16 @@ def test_int8_activations_add_little_to_int4_drift(drift):
     int4, a8 = (sum(drift[m]) / len(drift[m]) for m in ("int4", "int4+a8"))
     print(f"logprob drift, mean: int4 {int4:.3f}, int4 + int8 activations {a8:.3f}, max {max(drift['int4+a8']):.3f}")
     assert a8 < 1.3 * int4 and max(drift["int4+a8"]) < 1.5
+
+
+def test_int4_in_bf16_drifts_about_as_int4_in_fp32(drift):
+    """--quantization int4 in a bf16 model: GridInt4Linear's bf16 kernel (q4_linear_bf16x). Its drift from the fp32
+    engine is about int4's in fp32 plus bf16's own."""
+    if "int4 bf16" not in drift:
+        pytest.skip("no CPU kernels with SIMD tiles here: int4 runs on torch's kernel")
+    mean = {m: sum(drift[m]) / len(drift[m]) for m in ("int4", "bf16", "int4 bf16")}
+    print("logprob drift, mean:", mean, "max, int4 in bf16:", max(drift["int4 bf16"]))
+    assert mean["int4 bf16"] < 1.3 * (mean["int4"] + mean["bf16"]) and max(drift["int4 bf16"]) < 1.5
 
 
 # -- configuration and CLI ----------------------------------------------------------------------------

@@ -202,23 +202,6 @@ void tile_fast(int rows, const float* x, int64_t ldx, const uint32_t* panel, int
 
 #if defined(ASCENDSERVE_TILES_AVX512) && defined(__AVX512BF16__)
 #define ASCENDSERVE_BF16_DOT 1
-// out[m][0 .. cols) = acc[m] + bias rounded to bf16 (vcvtneps2bf16: to nearest even), the last panel's columns
-// masked off; bias may be nullptr.
-template <int ROWS>
-inline void store_tile_bf16(const __m512 (&acc)[ROWS][2], at::BFloat16* out, int64_t ldo, int64_t cols,
-                            const float* bias) {
-  const __mmask16 mask0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
-  for (int m = 0; m < ROWS; ++m) {
-    const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][0], b0));
-    const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][1], b1));
-    _mm256_mask_storeu_epi16(out + m * ldo, mask0, lo);
-    _mm256_mask_storeu_epi16(out + m * ldo + 16, mask1, hi);
-  }
-}
-
 // bf16 activations (a model run in bf16) on a CPU with AVX512-BF16: vdpbf16ps multiplies a row's input pair,
 // broadcast as one 32-bit lane, by 16 outputs' weight pairs and adds both products to 16 fp32 sums (exact
 // products, fp32 sums, denormal inputs read as zero: the arithmetic of oneDNN's bf16 GEMM). Two instructions per
@@ -244,7 +227,7 @@ void tile_dot(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kpa
   if constexpr (std::is_same_v<Out, float>) {
     ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
   } else {
-    store_tile_bf16<ROWS>(acc, out, ldo, cols, bias);
+    ascendserve_panel::store_tile_bf16<ROWS>(acc, out, ldo, cols, bias);
   }
 }
 
@@ -342,7 +325,7 @@ void tile_amx(int rows, const uint32_t* x, int64_t ldx, const uint32_t* panel, i
     if constexpr (std::is_same_v<Out, float>) {
       ascendserve_panel::store_tile<1>(row, out + m * ldo, ldo, cols, bias);
     } else {
-      store_tile_bf16<1>(row, out + m * ldo, ldo, cols, bias);
+      ascendserve_panel::store_tile_bf16<1>(row, out + m * ldo, ldo, cols, bias);
     }
   }
 }

@@ -134,4 +134,24 @@ inline void store_tile(const __m512 (&acc)[ROWS][2], float* out, int64_t ldo, in
 }
 #endif
 
+#if defined(ASCENDSERVE_TILES_AVX512) && defined(__AVX512BF16__)
+// out[m][0 .. cols) = acc[m] + bias rounded to bf16 (vcvtneps2bf16: to nearest even), the last panel's columns
+// masked off; bias may be nullptr.
+template <int ROWS>
+inline void store_tile_bf16(const __m512 (&acc)[ROWS][2], at::BFloat16* out, int64_t ldo, int64_t cols,
+                            const float* bias) {
+  const __mmask16 mask0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
+  for (int m = 0; m < ROWS; ++m) {
+    const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][0], b0));
+    const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][1], b1));
+    _mm256_mask_storeu_epi16(out + m * ldo, mask0, lo);
+    _mm256_mask_storeu_epi16(out + m * ldo + 16, mask1, hi);
+  }
+}
+
+#endif
+
 }  // namespace ascendserve_panel

@@ -7,7 +7,8 @@
 // values is the same weight in an eighth of the bytes. `--quantization int4` rounds an fp32 model's
 // weights onto such a grid (layers/quantization.py). The product is computed as
 //     y[n] = sum over blocks g of ( d[n,g] * sum_{k in g} x[k] q[n,k]  +  m[n,g] * sum_{k in g} x[k] )
-// in fp32: the weights' own products, regrouped (a different rounding order, as any GEMM's).
+// in fp32: the weights' own products, regrouped (a different rounding order, as any GEMM's). q4_linear_bf16x
+// computes the same from bf16 x (a model run in bf16), see below.
 //
 // Packed layout (ascendserve/layers/compact_linear.py, pack_q4): rows in panels of 32 (N padded with zero
 // rows), [N/32][K/2][32] bytes: for input pair kp, byte j = q[n][2kp] | q[n][2kp+1] << 4 for the
@@ -19,6 +20,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "panel_linear.h"
@@ -497,6 +500,175 @@ at::Tensor q4_a8_linear_portable(const at::Tensor& x, const at::Tensor& q, const
   return a8_linear(x, q, scales, mins, n, bias, true);
 }
 
+// ---- bf16 activations (a model run in bf16 with --quantization int4) ----
+//
+// The same sums from bf16 x: per block of G inputs, sum_k x[k] q[n,k] on vdpbf16ps (AVX512-BF16), then
+// d * that + m * sum_k x[k] in fp32. q (0..15) is exact in bf16 and vdpbf16ps's products are exact with fp32
+// sums, so the arithmetic is the fp32 kernel's on the same (bf16) x, in another summation order. Per input pair a
+// panel's 32 bytes become two registers of weight pairs: each byte widened to a 32-bit lane, its high nibble moved
+// to bits 16-19 (lane | lane << 12, masked), and both 16-bit halves looked up in a table of bf16(0..15) (vpermw):
+// 8 instructions per 64 weights, for any number of rows; each row then adds 2 vdpbf16ps. One or two rows keep
+// even and odd pairs in separate sums (independent chains: one row is otherwise bound by vdpbf16ps's latency).
+// Without AVX512-BF16, x is widened to fp32 (exact) and the fp32 tiles above multiply.
+
+#if defined(ASCENDSERVE_TILES_AVX512) && defined(__AVX512BF16__)
+#define ASCENDSERVE_Q4_DOT 1
+constexpr int kDotRows = 12;  // x rows per tile: 24 registers of block sums
+
+struct PairBf16 {
+  __m512bh w0, w1;  // outputs 0-15 / 16-31: (q[n][2kp], q[n][2kp+1]) as bf16 per lane
+};
+
+inline PairBf16 pair_bf16(const uint8_t* bytes, const __m512i& table) {
+  const __m512i mask = _mm512_set1_epi32(0x000f000f);
+  _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchPairs * kPanel), _MM_HINT_T0);
+  const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16)));
+  // (b | b << 12) & 0x000f000f: the low nibble in bits 0-3, the high one in bits 16-19 (ternary 0xA8: (A | B) & C)
+  const __m512i n0 = _mm512_ternarylogic_epi32(b0, _mm512_slli_epi32(b0, 12), mask, 0xA8);
+  const __m512i n1 = _mm512_ternarylogic_epi32(b1, _mm512_slli_epi32(b1, 12), mask, 0xA8);
+  return {(__m512bh)_mm512_permutexvar_epi16(n0, table), (__m512bh)_mm512_permutexvar_epi16(n1, table)};
+}
+
+// bf16(0..15) in the low 16 of 32 words (vpermw reads an index's low 5 bits; the nibbles are 0..15).
+inline __m512i nibble_table() {
+  alignas(64) uint16_t words[32] = {};
+  for (int v = 0; v < 16; ++v) {
+    const float f = static_cast<float>(v);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    words[v] = static_cast<uint16_t>(bits >> 16);  // exact: small integers have 8 significant bits at most
+  }
+  return _mm512_load_si512(words);
+}
+
+// Out: float (the fp32 sums) or at::BFloat16 (rounded once). x: bf16 pairs as 32-bit words, ldx in pairs.
+template <int ROWS, typename Out>
+void tile_dot(const uint32_t* x, int64_t ldx, const float* xsum, int64_t groups, const Q4Panel& w, Out* out,
+              int64_t ldo, int64_t cols, const float* bias) {
+  constexpr int kSplit = ROWS <= 2 ? 2 : 1;  // sums per row and half: even / odd pairs apart at 1-2 rows
+  const __m512i table = nibble_table();
+  const int64_t pairs = w.group / 2;
+  __m512 acc[ROWS][2];
+  for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 block[ROWS][2 * kSplit];
+    for (int m = 0; m < ROWS; ++m)
+      for (int h = 0; h < 2 * kSplit; ++h) block[m][h] = _mm512_setzero_ps();
+    int64_t kp = g * pairs;
+    const int64_t end = kp + pairs;
+    for (; kp + kSplit <= end; kp += kSplit) {
+      for (int s = 0; s < kSplit; ++s) {
+        const PairBf16 p = pair_bf16(w.q + (kp + s) * kPanel, table);
+        for (int m = 0; m < ROWS; ++m) {
+          const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + kp + s]));
+          block[m][2 * s] = _mm512_dpbf16_ps(block[m][2 * s], xp, p.w0);
+          block[m][2 * s + 1] = _mm512_dpbf16_ps(block[m][2 * s + 1], xp, p.w1);
+        }
+      }
+    }
+    for (; kp < end; ++kp) {  // an odd number of pairs per block (G = 2 mod 4)
+      const PairBf16 p = pair_bf16(w.q + kp * kPanel, table);
+      for (int m = 0; m < ROWS; ++m) {
+        const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + kp]));
+        block[m][0] = _mm512_dpbf16_ps(block[m][0], xp, p.w0);
+        block[m][1] = _mm512_dpbf16_ps(block[m][1], xp, p.w1);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(w.scales + g * kPanel), d1 = _mm512_loadu_ps(w.scales + g * kPanel + 16);
+    const __m512 m0 = _mm512_loadu_ps(w.mins + g * kPanel), m1 = _mm512_loadu_ps(w.mins + g * kPanel + 16);
+    for (int m = 0; m < ROWS; ++m) {
+      __m512 s0 = block[m][0], s1 = block[m][1];
+      if constexpr (kSplit == 2) {
+        s0 = _mm512_add_ps(s0, block[m][2]);
+        s1 = _mm512_add_ps(s1, block[m][3]);
+      }
+      const __m512 s = _mm512_set1_ps(xsum[m * groups + g]);
+      acc[m][0] = _mm512_fmadd_ps(d0, s0, _mm512_fmadd_ps(m0, s, acc[m][0]));
+      acc[m][1] = _mm512_fmadd_ps(d1, s1, _mm512_fmadd_ps(m1, s, acc[m][1]));
+    }
+  }
+  if constexpr (std::is_same_v<Out, float>) {
+    ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
+  } else {
+    ascendserve_panel::store_tile_bf16<ROWS>(acc, out, ldo, cols, bias);
+  }
+}
+
+// Per row and block of G inputs, the fp32 sum of bf16 x (the mins' factor), rows split over the threads.
+std::vector<float> block_sums_bf16(const at::BFloat16* x, int64_t m_rows, int64_t k, int64_t group) {
+  const int64_t groups = k / group;
+  std::vector<float> xsum(m_rows * groups);
+  at::parallel_for(0, m_rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * groups; i < end * groups; ++i) {
+      const at::BFloat16* src = x + i * group;
+      int64_t j = 0;
+      __m512 lanes = _mm512_setzero_ps();  // 16 partial sums, then added up (a torch sum's dispatch costs more)
+      for (; j + 16 <= group; j += 16) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
+        lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+      }
+      float sum = _mm512_reduce_add_ps(lanes);
+      for (; j < group; ++j) sum += static_cast<float>(src[j]);
+      xsum[i] = sum;
+    }
+  });
+  return xsum;
+}
+#endif
+
+// y = x @ W.T + b for bf16 x [M, K] (bias fp32), the fp32 sums rounded to bf16 where bf16_out. On the vdpbf16ps
+// tile where the build has AVX512-BF16 (every batch size: a row's sums do not depend on its batch), else x widened
+// to fp32 (exact) through q4_linear's tiles.
+at::Tensor q4_linear_bf16x(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
+                           int64_t n, const c10::optional<at::Tensor>& bias, bool bf16_out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "q4_linear_bf16x: x must be a contiguous bf16 [M, K] tensor");
+#if defined(ASCENDSERVE_Q4_DOT)
+  const int64_t group = check_pack(q, scales, mins, n, "q4_linear_bf16x");
+  TORCH_CHECK(x.size(1) == 2 * q.size(1), "q4_linear_bf16x: x has ", x.size(1), " columns, the weight ",
+              2 * q.size(1));
+  const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "q4_linear_bf16x");
+  const int64_t m_rows = x.size(0), k = x.size(1), panels = q.size(0), groups = scales.size(1), kpairs = k / 2;
+  at::Tensor out = at::empty({m_rows, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  if (m_rows == 0) return out;
+  const std::vector<float> xsum = block_sums_bf16(x.data_ptr<at::BFloat16>(), m_rows, k, group);
+  const uint32_t* x_ptr = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const uint8_t* q_ptr = q.data_ptr<uint8_t>();
+  const float* d_ptr = scales.data_ptr<float>();
+  const float* m_ptr = mins.data_ptr<float>();
+  auto run = [&](auto* out_ptr) {
+    ascendserve_panel::for_each_tile<kDotRows>(m_rows, k, n, panels, [&](int64_t p, int64_t m0, int rows,
+                                                                         int64_t cols) {
+      const Q4Panel w{q_ptr + p * kpairs * kPanel, d_ptr + p * groups * kPanel, m_ptr + p * groups * kPanel, group};
+      ascendserve_panel::with_tile_rows<kDotRows>(rows, [&](auto r) {
+        tile_dot<decltype(r)::value>(x_ptr + m0 * kpairs, kpairs, xsum.data() + m0 * groups, groups, w,
+                                     out_ptr + m0 * n + p * kPanel, n, cols,
+                                     bias_ptr ? bias_ptr + p * kPanel : nullptr);
+      });
+    });
+  };
+  if (bf16_out) {
+    run(out.data_ptr<at::BFloat16>());
+  } else {
+    run(out.data_ptr<float>());
+  }
+  return out;
+#else
+  at::Tensor out = linear(x.to(at::kFloat), q, scales, mins, n, bias, false);
+  return bf16_out ? out.to(at::kBFloat16) : out;
+#endif
+}
+
+// Whether q4_linear_bf16x multiplies with vdpbf16ps here (else it widens x and runs the fp32 tiles).
+bool q4_dot() {
+#if defined(ASCENDSERVE_Q4_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
@@ -505,7 +677,11 @@ TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("q4_unpack(Tensor q, Tensor scales, Tensor mins, int n) -> Tensor");
   m.def("q4_a8_linear(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
   m.def("q4_a8_linear_portable(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
+  m.def("q4_linear_bf16x(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias, bool bf16_out) "
+        "-> Tensor");
+  m.def("q4_dot() -> bool", &q4_dot);
   m.impl("q4_linear", c10::DispatchKey::CPU, TORCH_FN(q4_linear));
+  m.impl("q4_linear_bf16x", c10::DispatchKey::CPU, TORCH_FN(q4_linear_bf16x));
   m.impl("q4_unpack", c10::DispatchKey::CPU, TORCH_FN(q4_unpack));
   m.impl("q4_linear_portable", c10::DispatchKey::CPU, TORCH_FN(q4_linear_portable));
   m.impl("q4_a8_linear", c10::DispatchKey::CPU, TORCH_FN(q4_a8_linear));
