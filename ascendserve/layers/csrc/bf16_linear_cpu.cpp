@@ -402,11 +402,7 @@ at::Tensor bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n, const
       dot_rows(out_ptr, p, m0, rows, cols);
     });
   };
-  if (bf16_out) {
-    run(out.data_ptr<at::BFloat16>());
-  } else {
-    run(out.data_ptr<float>());
-  }
+  ascendserve_panel::with_out_ptr(out, bf16_out, run);
   return out;
 #else
   at::Tensor out = linear(x.to(at::kFloat), packed, n, bias, false);

@@ -92,6 +92,16 @@ inline void in_row_blocks(int rows, const Fn& fn) {
   for (int m0 = 0; m0 < rows; m0 += kMax) with_tile_rows<kMax>(std::min(kMax, rows - m0), [&](auto r) { fn(m0, r); });
 }
 
+// run(p) with p out's data as at::BFloat16 where bf16_out (the sums rounded as stored), else as float.
+template <typename Run>
+inline void with_out_ptr(const at::Tensor& out, bool bf16_out, const Run& run) {
+  if (bf16_out) {
+    run(out.data_ptr<at::BFloat16>());
+  } else {
+    run(out.data_ptr<float>());
+  }
+}
+
 // out[m][0 .. cols) = acc[m] + bias for a tile's rows kept in memory (bias may be nullptr).
 inline void store_rows(const float (*acc)[kPanel], int rows, float* out, int64_t ldo, int64_t cols, const float* bias) {
   for (int m = 0; m < rows; ++m)

@@ -62,6 +62,24 @@ void tile_portable(int rows, const float* x, const float* xsum, int64_t ldx, int
 }
 
 #if defined(ASCENDSERVE_TILES_AVX512)
+// The end of block g of G inputs: acc[m] += d * (row m's block sums, the kSplit sets added) + mins * xsum[m][g].
+template <int ROWS, int kSplit>
+inline void fold_block(__m512 (&acc)[ROWS][2], const __m512 (&block)[ROWS][2 * kSplit], const float* xsum,
+                       int64_t groups, int64_t g, const Q4Panel& w) {
+  const __m512 d0 = _mm512_loadu_ps(w.scales + g * kPanel), d1 = _mm512_loadu_ps(w.scales + g * kPanel + 16);
+  const __m512 m0 = _mm512_loadu_ps(w.mins + g * kPanel), m1 = _mm512_loadu_ps(w.mins + g * kPanel + 16);
+  for (int m = 0; m < ROWS; ++m) {
+    __m512 s0 = block[m][0], s1 = block[m][1];
+    if constexpr (kSplit == 2) {
+      s0 = _mm512_add_ps(s0, block[m][2]);
+      s1 = _mm512_add_ps(s1, block[m][3]);
+    }
+    const __m512 s = _mm512_set1_ps(xsum[m * groups + g]);
+    acc[m][0] = _mm512_fmadd_ps(d0, s0, _mm512_fmadd_ps(m0, s, acc[m][0]));
+    acc[m][1] = _mm512_fmadd_ps(d1, s1, _mm512_fmadd_ps(m1, s, acc[m][1]));
+  }
+}
+
 template <int ROWS>
 void tile_avx512(const float* x, const float* xsum, int64_t ldx, int64_t groups, const Q4Panel& w, float* out,
                  int64_t ldo, int64_t cols, const float* bias) {
@@ -97,18 +115,7 @@ void tile_avx512(const float* x, const float* xsum, int64_t ldx, int64_t groups,
         block[m][2 * kSplit - 1] = _mm512_fmadd_ps(xo, qo1, block[m][2 * kSplit - 1]);
       }
     }
-    const __m512 d0 = _mm512_loadu_ps(w.scales + g * kPanel), d1 = _mm512_loadu_ps(w.scales + g * kPanel + 16);
-    const __m512 m0 = _mm512_loadu_ps(w.mins + g * kPanel), m1 = _mm512_loadu_ps(w.mins + g * kPanel + 16);
-    for (int m = 0; m < ROWS; ++m) {
-      __m512 s0 = block[m][0], s1 = block[m][1];
-      if constexpr (kSplit == 2) {
-        s0 = _mm512_add_ps(s0, block[m][2]);
-        s1 = _mm512_add_ps(s1, block[m][3]);
-      }
-      const __m512 s = _mm512_set1_ps(xsum[m * groups + g]);
-      acc[m][0] = _mm512_fmadd_ps(d0, s0, _mm512_fmadd_ps(m0, s, acc[m][0]));
-      acc[m][1] = _mm512_fmadd_ps(d1, s1, _mm512_fmadd_ps(m1, s, acc[m][1]));
-    }
+    fold_block<ROWS, kSplit>(acc, block, xsum, groups, g, w);
   }
   ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
 }
@@ -585,18 +592,7 @@ void tile_dot(const uint32_t* x, int64_t ldx, const float* xsum, int64_t groups,
         block[m][1] = _mm512_dpbf16_ps(block[m][1], xp, p.w1);
       }
     }
-    const __m512 d0 = _mm512_loadu_ps(w.scales + g * kPanel), d1 = _mm512_loadu_ps(w.scales + g * kPanel + 16);
-    const __m512 m0 = _mm512_loadu_ps(w.mins + g * kPanel), m1 = _mm512_loadu_ps(w.mins + g * kPanel + 16);
-    for (int m = 0; m < ROWS; ++m) {
-      __m512 s0 = block[m][0], s1 = block[m][1];
-      if constexpr (kSplit == 2) {
-        s0 = _mm512_add_ps(s0, block[m][2]);
-        s1 = _mm512_add_ps(s1, block[m][3]);
-      }
-      const __m512 s = _mm512_set1_ps(xsum[m * groups + g]);
-      acc[m][0] = _mm512_fmadd_ps(d0, s0, _mm512_fmadd_ps(m0, s, acc[m][0]));
-      acc[m][1] = _mm512_fmadd_ps(d1, s1, _mm512_fmadd_ps(m1, s, acc[m][1]));
-    }
+    fold_block<ROWS, kSplit>(acc, block, xsum, groups, g, w);
   }
   if constexpr (std::is_same_v<Out, float>) {
     ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
@@ -658,11 +654,7 @@ at::Tensor q4_linear_bf16x(const at::Tensor& x, const at::Tensor& q, const at::T
       });
     });
   };
-  if (bf16_out) {
-    run(out.data_ptr<at::BFloat16>());
-  } else {
-    run(out.data_ptr<float>());
-  }
+  ascendserve_panel::with_out_ptr(out, bf16_out, run);
   return out;
 #else
   at::Tensor out = linear(x.to(at::kFloat), q, scales, mins, n, bias, false);
