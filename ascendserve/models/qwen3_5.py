@@ -220,9 +220,14 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         return out
 
 
-def _take(rows: torch.Tensor | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The given rows of each tensor (all of them, uncopied, when rows is None)."""
-    return tensors if rows is None else tuple(t[rows] for t in tensors)
+def _take(rows: torch.Tensor | slice | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The given rows of each tensor: all of them, uncopied, when rows is None; a slice's rows as a view where that
+    is contiguous (else a contiguous copy, as an index gives)."""
+    if rows is None:
+        return tensors
+    if isinstance(rows, slice):
+        return tuple(t[rows].contiguous() for t in tensors)
+    return tuple(t[rows] for t in tensors)
 
 
 def _by_kind(meta, out: torch.Tensor, decode, prefill) -> torch.Tensor:
@@ -235,8 +240,12 @@ def _by_kind(meta, out: torch.Tensor, decode, prefill) -> torch.Tensor:
         return decode(None)
     if meta.prefill_token_idx is None:
         return prefill(None)
-    out[meta.decode_token_idx] = decode(meta.decode_token_idx)
-    out[meta.prefill_token_idx] = prefill(meta.prefill_token_idx)
+    if meta.split_row is not None:  # decodes first: both kinds as row slices (views)
+        decode_rows, prefill_rows = slice(0, meta.split_row), slice(meta.split_row, None)
+    else:
+        decode_rows, prefill_rows = meta.decode_token_idx, meta.prefill_token_idx
+    out[decode_rows] = decode(decode_rows)
+    out[prefill_rows] = prefill(prefill_rows)
     return out
 
 

@@ -26,6 +26,7 @@ from ascendserve.layers import cpu_kernels
 from ascendserve.layers.compact_linear import Bf16Embedding, Bf16Linear
 from ascendserve.layers.linear import DenseLinear, PackedLinear, PanelLinear
 from ascendserve.layers.mrope import MRotaryEmbedding, interleaved_axis_of_slots
+from ascendserve.models import qwen3_5
 from ascendserve.worker.kv_budget import KVCacheTooSmallError
 from ascendserve.worker.model_runner import build_state_metadata
 from tests.models.reference import check_outputs, hf_greedy, make_prompts
@@ -341,12 +342,38 @@ def test_composite_checkpoint_loads_its_text_model(checkpoints, caplog):
     assert engine.vocab_size == VOCAB and engine.runner.state_caches is not None
 
 
+@pytest.mark.parametrize("query_lens, starts", [([1, 1, 5, 3], [9, 4, 0, 64]), ([5, 1, 3, 1], [0, 9, 64, 4])])
+def test_mixed_steps_give_each_kind_its_rows(query_lens, starts):
+    """Decodes first: row slices (views of the step's tensors); else gathered rows; either way each row's result lands
+    in its own row."""
+    meta = build_state_metadata(query_lens, starts, [0, 1, 2, 3], torch.device("cpu"))
+    x = torch.arange(sum(query_lens) * 2, dtype=torch.float32).view(-1, 2)
+    seen = {}
+
+    def kind(name, sign):
+        def run(rows):
+            (taken,) = qwen3_5._take(rows, x)
+            seen[name] = (rows, taken)
+            return sign * taken
+        return run
+
+    out = qwen3_5._by_kind(meta, torch.empty_like(x), kind("decode", -1), kind("prefill", 1))
+    decode_rows = meta.decode_token_idx.tolist()
+    assert torch.equal(out, torch.stack([-r if i in decode_rows else r for i, r in enumerate(x)]))
+    if query_lens[0] == 1:
+        assert isinstance(seen["decode"][0], slice) and seen["prefill"][1].data_ptr() == x[2].data_ptr()  # a view
+    else:
+        assert torch.is_tensor(seen["decode"][0]) and seen["decode"][0].tolist() == [5, 9]
+
+
 def test_state_metadata_splits_decodes_from_prefills():
     meta = build_state_metadata([1, 5, 3], [9, 0, 64], [2, 0, 1], torch.device("cpu"))
     assert meta.decode_token_idx.tolist() == [0] and meta.decode_slots.tolist() == [2]
     assert meta.prefill_token_idx.tolist() == list(range(1, 9))
     assert meta.prefill_cu_seqlens.tolist() == [0, 5, 8] and meta.prefill_slots.tolist() == [0, 1]
     assert meta.prefill_has_initial_state.tolist() == [False, True]
+    assert meta.split_row == 1  # the decode first, the prefills after it: row slices
+    assert build_state_metadata([5, 1, 3], [0, 9, 64], [0, 2, 1], torch.device("cpu")).split_row is None
     # a 1-token prompt starts a state: chunked path; all rows are prefill rows, in order
     meta = build_state_metadata([1, 4], [0, 8], [3, 1], torch.device("cpu"))
     assert meta.decode_token_idx is None and meta.prefill_token_idx is None
