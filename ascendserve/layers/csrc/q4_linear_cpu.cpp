@@ -559,12 +559,12 @@ inline __m512i nibble_table() {
   return _mm512_load_si512(words);
 }
 
-// Out: float (the fp32 sums) or at::BFloat16 (rounded once). x: bf16 pairs as 32-bit words, ldx in pairs.
+// Out: float (the fp32 sums) or at::BFloat16 (rounded once). x: bf16 pairs as 32-bit words, ldx in pairs; table:
+// nibble_table(), built once per call.
 template <int ROWS, typename Out>
-void tile_dot(const uint32_t* x, int64_t ldx, const float* xsum, int64_t groups, const Q4Panel& w, Out* out,
-              int64_t ldo, int64_t cols, const float* bias) {
+void tile_dot(const uint32_t* x, int64_t ldx, const float* xsum, int64_t groups, const Q4Panel& w,
+              const __m512i& table, Out* out, int64_t ldo, int64_t cols, const float* bias) {
   constexpr int kSplit = ROWS <= 2 ? 2 : 1;  // sums per row and half: even / odd pairs apart at 1-2 rows
-  const __m512i table = nibble_table();
   const int64_t pairs = w.group / 2;
   __m512 acc[ROWS][2];
   for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
@@ -643,12 +643,13 @@ at::Tensor q4_linear_bf16x(const at::Tensor& x, const at::Tensor& q, const at::T
   const uint8_t* q_ptr = q.data_ptr<uint8_t>();
   const float* d_ptr = scales.data_ptr<float>();
   const float* m_ptr = mins.data_ptr<float>();
+  const __m512i table = nibble_table();
   auto run = [&](auto* out_ptr) {
     ascendserve_panel::for_each_tile<kDotRows>(m_rows, k, n, panels, [&](int64_t p, int64_t m0, int rows,
                                                                          int64_t cols) {
       const Q4Panel w{q_ptr + p * kpairs * kPanel, d_ptr + p * groups * kPanel, m_ptr + p * groups * kPanel, group};
       ascendserve_panel::with_tile_rows<kDotRows>(rows, [&](auto r) {
-        tile_dot<decltype(r)::value>(x_ptr + m0 * kpairs, kpairs, xsum.data() + m0 * groups, groups, w,
+        tile_dot<decltype(r)::value>(x_ptr + m0 * kpairs, kpairs, xsum.data() + m0 * groups, groups, w, table,
                                      out_ptr + m0 * n + p * kPanel, n, cols,
                                      bias_ptr ? bias_ptr + p * kPanel : nullptr);
       });
