@@ -663,15 +663,6 @@ at::Tensor q4_linear_bf16x(const at::Tensor& x, const at::Tensor& q, const at::T
 #endif
 }
 
-// Whether q4_linear_bf16x multiplies with vdpbf16ps here (else it widens x and runs the fp32 tiles).
-bool q4_dot() {
-#if defined(ASCENDSERVE_Q4_DOT)
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
@@ -682,7 +673,6 @@ TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("q4_a8_linear_portable(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
   m.def("q4_linear_bf16x(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias, bool bf16_out) "
         "-> Tensor");
-  m.def("q4_dot() -> bool", &q4_dot);
   m.impl("q4_linear", c10::DispatchKey::CPU, TORCH_FN(q4_linear));
   m.impl("q4_linear_bf16x", c10::DispatchKey::CPU, TORCH_FN(q4_linear_bf16x));
   m.impl("q4_unpack", c10::DispatchKey::CPU, TORCH_FN(q4_unpack));
