@@ -1,5 +1,6 @@
 """fp32 linear layers for CPU: the weight in panels for the C++ GEMM (PanelLinear), an MKL pre-packed weight
-(PackedLinear) or oneDNN's GEMM (DenseLinear); fp32_gemm() probes which of the three a process uses.
+(PackedLinear) or oneDNN's GEMM (DenseLinear); fp32_gemm() probes which of the three a process uses, and
+large_batch_gemm() which one batches of LARGE_ROWS rows or more (prefill steps) use.
 
 MKL's sgemm copies the weight into its internal panel layout on every call; at decode batch sizes
 that copy dominates and F.linear streams weights at only 4-10 GB/s. `cblas_sgemm_pack` does it once
@@ -56,7 +57,9 @@ logger = init_logger(__name__)
 ENV_VAR = "ASCENDSERVE_PACKED_LINEAR"
 FP32_GEMM_ENV_VAR = "ASCENDSERVE_FP32_GEMM"  # panel / onednn / mkl: that GEMM; unset: the fastest (probed)
 FP32_GEMMS = ("panel", "onednn", "mkl")
-PROBE_ROWS = (64, 256)  # the probe's batches: a decode step's and a prefill chunk's
+PROBE_ROWS = (64, 256)  # the probe's batches: a decode step's and a small prefill chunk's
+LARGE_ROWS = 512  # batches of this many rows or more multiply with the GEMM a second probe picks (large_batch_gemm)
+LARGE_PROBE_ROWS = (1024,)  # that probe's batch: a prefill step's
 PACK_ROWS = 64  # the m each weight is packed for
 MIN_PACKED_ROWS = 4  # below, F.linear (MKL's gemv) was as fast, or faster for K >= 1024
 MAX_PACKED_ROWS = 128  # above, F.linear was as fast or faster (prefill)
@@ -81,13 +84,13 @@ def _panel_ops():
 
 
 @functools.cache
-def gemm_probe_ms() -> dict[str, float]:
+def gemm_probe_ms(rows: tuple[int, ...]) -> dict[str, float]:
     """ms of each available fp32 GEMM ("panel": the C++ kernel's, on its pack; "onednn"; "mkl": F.linear) for a
-    2048 x 1024 weight, summed over batches of PROBE_ROWS rows: the best of 5 rounds, the GEMMs timed in turn
-    (other work on the machine only slows a round down), once per process."""
+    2048 x 1024 weight, summed over batches of `rows` rows: the best of 5 rounds, the GEMMs timed in turn
+    (other work on the machine only slows a round down), once per process and set of rows."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(2048, 1024, generator=gen) * 0.03
-    xs = [torch.randn(rows, 1024, generator=gen) for rows in PROBE_ROWS]
+    xs = [torch.randn(m, 1024, generator=gen) for m in rows]
     gemms = {"mkl": lambda x: F.linear(x, weight)}
     if _onednn_available():
         gemms["onednn"] = lambda x: _onednn_linear(x, weight, None)
@@ -104,38 +107,54 @@ def gemm_probe_ms() -> dict[str, float]:
                 times[name].append(time.perf_counter() - start)
     ms = {name: min(t) * 1e3 for name, t in times.items()}
     logger.info("fp32 GEMM probe (%s x 1024 rows by 2048 x 1024): %s; %s=%s picks one",
-                " + ".join(map(str, PROBE_ROWS)), ", ".join(f"{name} {t:.2f} ms" for name, t in ms.items()),
+                " + ".join(map(str, rows)), ", ".join(f"{name} {t:.2f} ms" for name, t in ms.items()),
                 FP32_GEMM_ENV_VAR, "|".join(FP32_GEMMS))
     return ms
 
 
-def fp32_gemm() -> str:
-    """The GEMM fp32 CPU linears multiply with (prepack.py makes their layers for it): ASCENDSERVE_FP32_GEMM
-    when set, else the fastest in gemm_probe_ms(). On the 2-vCPU AMD EPYC (AVX2) the panel kernel was the fastest
-    at every batch size up to 64 rows and level at prefill sizes (csrc/f32_linear_cpu.cpp), and oneDNN's 1.2-1.9x
-    faster than MKL's from 32 rows on; on the Intel Xeons of earlier runs MKL's GEMM ran near the cores' peak."""
+def _fastest_gemm(rows: tuple[int, ...]) -> str:
+    """ASCENDSERVE_FP32_GEMM when set (and available here), else the fastest in gemm_probe_ms(rows)."""
     forced = forced_gemm()
     if forced == "onednn" and not _onednn_available() or forced == "panel" and _panel_ops() is None:
         logger.warning("%s=%s: not available here; probing the others", FP32_GEMM_ENV_VAR, forced)
         forced = None
     if forced:
         return forced
-    ms = gemm_probe_ms()
+    ms = gemm_probe_ms(rows)
     if _panel_ops() is None:  # probed before the CPU kernels were turned off (ASCENDSERVE_CPU_KERNELS=0)
         ms = {name: t for name, t in ms.items() if name != "panel"}
     return min(ms, key=ms.get)
 
 
-def onednn_gemm_faster() -> bool:
-    """Whether a weight made for one call (widened from bf16, dequantized) multiplies with oneDNN's GEMM rather than
-    MKL's: ASCENDSERVE_FP32_GEMM=onednn / mkl when set, else whether oneDNN's probe time is below MKL's (the panel
-    kernel would need a pack made per call; at prefill sizes it is level with oneDNN)."""
+def fp32_gemm() -> str:
+    """The GEMM fp32 CPU linears multiply with (prepack.py makes their layers for it) below LARGE_ROWS rows:
+    ASCENDSERVE_FP32_GEMM when set, else the fastest in gemm_probe_ms(PROBE_ROWS). On the 2-vCPU AMD EPYC (AVX2) the panel
+    kernel was the fastest at every batch size up to 64 rows and level at prefill sizes (csrc/f32_linear_cpu.cpp),
+    and oneDNN's 1.2-1.9x faster than MKL's from 32 rows on; on the Intel Xeons of earlier runs MKL's GEMM ran near
+    the cores' peak."""
+    return _fastest_gemm(PROBE_ROWS)
+
+
+def large_batch_gemm() -> str:
+    """The GEMM fp32 batches of LARGE_ROWS rows or more multiply with: ASCENDSERVE_FP32_GEMM when set, else the
+    fastest at LARGE_PROBE_ROWS rows, which need not be fp32_gemm()'s. On a 2-vCPU Xeon without AVX512-BF16
+    (session 22, benchmarks/probe_fp32_gemm.py, median GFLOP/s of the demo's and Qwen3.5's layers at 2048 rows):
+    MKL 232-300, oneDNN 202-294, the panel kernel 151-228, while the small probe picked oneDNN (64 + 256 rows:
+    5.82 ms, MKL 6.44, panel 6.61)."""
+    return _fastest_gemm(LARGE_PROBE_ROWS)
+
+
+def onednn_gemm_faster(rows: int = 1) -> bool:
+    """Whether a batch of `rows` rows by a weight made for one call (widened from bf16, dequantized), or by an fp32
+    weight that holds no pack (DenseLinear), multiplies with oneDNN's GEMM rather than MKL's: ASCENDSERVE_FP32_GEMM=
+    onednn / mkl when set, else whether oneDNN's time is below MKL's in the probe for that size (gemm_probe_ms at
+    PROBE_ROWS, or at LARGE_PROBE_ROWS from LARGE_ROWS on; the panel kernel would need a pack made per call)."""
     if not _onednn_available():
         return False
     forced = forced_gemm()
     if forced in ("onednn", "mkl"):
         return forced == "onednn"
-    ms = gemm_probe_ms()
+    ms = gemm_probe_ms(LARGE_PROBE_ROWS if rows >= LARGE_ROWS else PROBE_ROWS)
     return ms["onednn"] < ms["mkl"]
 
 
@@ -144,11 +163,11 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through oneDNN's GEMM for fp32 CPU tensors where onednn_gemm_faster()
-    (a compiled forward keeps F.linear, which inductor lowers itself)."""
+    """F.linear(x, weight, bias), through oneDNN's GEMM for fp32 CPU tensors where onednn_gemm_faster() at x's
+    rows (a compiled forward keeps F.linear, which inductor lowers itself)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (rows and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
-            and not torch.compiler.is_compiling() and onednn_gemm_faster()):
+            and not torch.compiler.is_compiling() and onednn_gemm_faster(rows)):
         out = _onednn_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
@@ -172,8 +191,9 @@ class DenseLinear(nn.Module):
 
 
 class PanelLinear(nn.Module):
-    """y = x @ W.T + b on an fp32 CPU weight also held as panels of 16 outputs (csrc/f32_linear_cpu.cpp), for
-    every batch: what an nn.Linear becomes where that GEMM probed the fastest (fp32_gemm)."""
+    """y = x @ W.T + b on an fp32 CPU weight also held as panels of 16 outputs (csrc/f32_linear_cpu.cpp): what an
+    nn.Linear becomes where that GEMM probed the fastest (fp32_gemm). Batches of LARGE_ROWS rows or more take it
+    too where it is also the fastest there (large_batch_gemm), else dense_linear on the fp32 weight."""
 
     def __init__(self, linear: nn.Linear, kernels) -> None:
         super().__init__()
@@ -190,6 +210,8 @@ class PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # inductor lowers F.linear itself
             return F.linear(x, self.weight, self.bias)
+        if x.numel() >= LARGE_ROWS * self.in_features and large_batch_gemm() != "panel":
+            return dense_linear(x, self.weight, self.bias)
         flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
         out = self.kernels.f32_linear(flat, self.panels, self.out_features, self.bias)
         return out if flat is x else out.reshape(*x.shape[:-1], self.out_features)
@@ -232,7 +254,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if not MIN_PACKED_ROWS <= rows <= self.max_rows:
+        if rows > self.max_rows:
+            return dense_linear(x, self.weight, self.bias)  # F.linear, or oneDNN's where it probed faster
+        if rows < MIN_PACKED_ROWS:
             return F.linear(x, self.weight, self.bias)
         if self.any_rows or rows == PACK_ROWS:
             return torch.ops.mkl._mkl_linear(x, self.pack, self.weight, self.bias, rows)

@@ -49,7 +49,19 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
                     _count(stats, "bf16_io", layer.packed.numel() * 2)
                     setattr(parent, name, layer)
     _log_linears(stats)
+    if any(stats[kind] for kind in ("packed", "onednn", "panel", "bf16")):  # fp32 forms (also beneath q4 / q8)
+        _log_large_batches()
     return stats
+
+
+def _log_large_batches() -> None:
+    """Probe the prefill-sized GEMM at load (not at the first large batch, a request's) and say what it picked."""
+    small, large = linear.fp32_gemm(), linear.large_batch_gemm()
+    if small != "panel" or large != "panel":  # only PanelLinear layers hold panels; the rest take dense_linear
+        large = "onednn" if linear.onednn_gemm_faster(linear.LARGE_ROWS) else "mkl"
+    if large != small:
+        logger.info("fp32 batches of %d rows or more multiply with the %s GEMM (smaller batches: %s)",
+                    linear.LARGE_ROWS, large, small)
 
 
 def _cpu_form(child: nn.Linear, int8_activations: bool, stats: dict[str, int],

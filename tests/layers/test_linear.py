@@ -139,19 +139,26 @@ def test_the_gemm_probe_times_each_once_and_an_environment_choice_skips_it(monke
             picked = packed.fp32_gemm()
             assert packed.fp32_gemm() == picked  # cached: one probe a process
             packed.onednn_gemm_faster()  # the same probe's times
+            packed.onednn_gemm_faster(packed.LARGE_ROWS - 1)
         assert caplog.text.count("fp32 GEMM probe") == 1
-        ms = packed.gemm_probe_ms()
+        ms = packed.gemm_probe_ms(packed.PROBE_ROWS)
         assert set(ms) == {"panel", "onednn", "mkl"} and picked == min(ms, key=ms.get)
         assert packed.onednn_gemm_faster() is (ms["onednn"] < ms["mkl"])
+        with caplog.at_level(logging.INFO):  # prefill-sized batches: a second probe, once, at their size
+            large = packed.large_batch_gemm()
+            assert packed.onednn_gemm_faster(packed.LARGE_ROWS) is packed.onednn_gemm_faster(4096)
+        assert caplog.text.count("fp32 GEMM probe") == 2 and "probe (1024 x 1024 rows" in caplog.text
+        ms = packed.gemm_probe_ms(packed.LARGE_PROBE_ROWS)
+        assert large == min(ms, key=ms.get) and packed.onednn_gemm_faster(packed.LARGE_ROWS) is (ms["onednn"] < ms["mkl"])
     finally:
         packed.gemm_probe_ms.cache_clear()
     for gemm in packed.FP32_GEMMS:
         force_gemm(gemm)
         caplog.clear()
         with caplog.at_level(logging.INFO):
-            assert packed.fp32_gemm() == gemm
+            assert packed.fp32_gemm() == gemm and packed.large_batch_gemm() == gemm
             if gemm != "panel":
-                assert packed.onednn_gemm_faster() is (gemm == "onednn")
+                assert packed.onednn_gemm_faster() is packed.onednn_gemm_faster(4096) is (gemm == "onednn")
         assert "probe" not in caplog.text
     force_gemm("fastest")
     with pytest.raises(ValueError, match="ASCENDSERVE_FP32_GEMM='fastest' is not one of panel, onednn, mkl"):
@@ -197,6 +204,20 @@ def test_panel_linear_keeps_f_linear_under_compile(kernels, monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     x = torch.randn(5, 32)
     assert torch.equal(layer(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_panel_linear_hands_large_batches_to_the_gemm_probed_fastest_there(kernels, monkeypatch, force_gemm):
+    linear = nn.Linear(64, 48)
+    layer = PanelLinear(linear, kernels)
+    x = torch.randn(packed.LARGE_ROWS, 64)
+    force_gemm("panel")
+    assert torch.equal(layer(x), kernels.f32_linear(x, layer.panels, 48, linear.bias))
+    force_gemm("mkl")  # large_batch_gemm() and dense_linear: F.linear
+    on_panels = layer(x[:-1])
+    monkeypatch.setattr(kernels, "f32_linear", None, raising=False)  # must not be reached from LARGE_ROWS rows on
+    assert torch.equal(layer(x), packed.dense_linear(x, linear.weight, linear.bias))
+    assert torch.equal(layer(x.view(2, -1, 64)), packed.dense_linear(x, linear.weight, linear.bias).view(2, -1, 48))
+    assert_fp32_product(on_panels, x[:-1], linear)
 
 
 def test_prepack_makes_panel_linears_and_keeps_the_tie(force_gemm, caplog):
