@@ -128,10 +128,10 @@ def _fastest_gemm(rows: tuple[int, ...]) -> str:
 
 def fp32_gemm() -> str:
     """The GEMM fp32 CPU linears multiply with (prepack.py makes their layers for it) below LARGE_ROWS rows:
-    ASCENDSERVE_FP32_GEMM when set, else the fastest in gemm_probe_ms(PROBE_ROWS). On the 2-vCPU AMD EPYC (AVX2) the panel
-    kernel was the fastest at every batch size up to 64 rows and level at prefill sizes (csrc/f32_linear_cpu.cpp),
-    and oneDNN's 1.2-1.9x faster than MKL's from 32 rows on; on the Intel Xeons of earlier runs MKL's GEMM ran near
-    the cores' peak."""
+    ASCENDSERVE_FP32_GEMM when set, else the fastest in gemm_probe_ms(PROBE_ROWS). On the 2-vCPU AMD EPYC (AVX2)
+    the panel kernel was the fastest at every batch size up to 64 rows and level at prefill sizes
+    (csrc/f32_linear_cpu.cpp), and oneDNN's 1.2-1.9x faster than MKL's from 32 rows on; on the Intel Xeons of
+    earlier runs MKL's GEMM ran near the cores' peak."""
     return _fastest_gemm(PROBE_ROWS)
 
 
