@@ -9,7 +9,8 @@ from ascendserve.config import env_switch
 from ascendserve.layers import linear
 from ascendserve.layers.compact_linear import (COMPACT_ENV_VAR, Q4_GROUP, Q4_KERNEL_MAX_ROWS, Q8_GROUP,
                                                Q8_KERNEL_MAX_ROWS, Bf16Embedding, Bf16Linear, Q4Linear, Q8Linear,
-                                               bf16_valued, find_q4_grid, find_q8_grid, tile_kernels)
+                                               bf16_kernel_for_large_batches, bf16_valued, find_q4_grid,
+                                               find_q8_grid, tile_kernels)
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -49,7 +50,9 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
                     _count(stats, "bf16_io", layer.packed.numel() * 2)
                     setattr(parent, name, layer)
     _log_linears(stats)
-    if any(stats[kind] for kind in ("packed", "onednn", "panel", "bf16")):  # fp32 forms (also beneath q4 / q8)
+    # the fp32 forms (also beneath q4 / q8) and the bf16 ones that widen large batches take the large probe's GEMM
+    widened_bf16 = stats["bf16"] and not bf16_kernel_for_large_batches()
+    if widened_bf16 or any(stats[kind] for kind in ("packed", "onednn", "panel")):
         _log_large_batches()
     return stats
 
@@ -57,7 +60,7 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
 def _log_large_batches() -> None:
     """Probe the prefill-sized GEMM at load (not at the first large batch, a request's) and say what it picked."""
     small, large = linear.fp32_gemm(), linear.large_batch_gemm()
-    if small != "panel" or large != "panel":  # only PanelLinear layers hold panels; the rest take dense_linear
+    if not small == large == "panel":  # only PanelLinear layers hold panels; the rest take dense_linear
         large = "onednn" if linear.onednn_gemm_faster(linear.LARGE_ROWS) else "mkl"
     if large != small:
         logger.info("fp32 batches of %d rows or more multiply with the %s GEMM (smaller batches: %s)",
