@@ -186,6 +186,14 @@ class GridLinear(KernelLinear):
         return self.dense(x)
 
 
+A8_TILES = {"avx512_vnni": "vpdpbusd, AVX512-VNNI", "avx2": "vpmaddubsw, AVX2", "portable": "plain C++"}
+
+
+def a8_tile_name(kernels) -> str:
+    """How this build's int8-activation kernel (q4_a8_linear) multiplies, for the load log."""
+    return A8_TILES[kernels.q4_a8_tile()]
+
+
 class Q4Panels:
     """What the layers holding 4-bit panels (pack_q4: q, scales, mins) share: csrc/q4_linear_cpu.cpp's fp32
     kernel, or, once `use_int8_activations()` is called (`--activation-quantization int8`), its int8-activation
@@ -197,6 +205,9 @@ class Q4Panels:
         1536x576        0.057 / 0.050  0.70 / 0.25   2.05 / 0.67 / 2.29  7.39 / 3.23 / 6.63  34.3 / 12.8 / 19.6
         576x1536        0.053 / 0.068  0.69 / 0.26   1.75 / 0.65 / 1.43  7.48 / 2.60 / 4.67  37.9 / 12.1 / 16.9
         8192x1024       0.566 / 0.363  5.66 / 2.21
+    With AVX512-VNNI (vpdpbusd: Intel Xeon, family 6 model 207, 2 threads, benchmarks/probe_a8_linear.py, the
+    AVX2 tile / the VNNI tile, each in a quiet moment of a noisy host): 3072x576 M=64 1.55 / 0.36, M=2048 33.3 /
+    14.5; 576x1536 M=64 0.62 / 0.29, M=2048 20.5 / 9.6, where oneDNN's fp32 GEMM took 24.3 and 11.8.
     One row (single-stream decode) is bound by the weight bytes instead, and the fp32 one-row tile streams
     them faster: 12 Qwen3.5 layers (56 MB, from DRAM) at one row 3.38 ms fp32 vs 4.27 ms int8, at two rows
     5.43 vs 4.26 (the int8 kernel first rewrites each panel as bytes), so a single row keeps it."""

@@ -9,7 +9,7 @@ from ascendserve.config import env_switch
 from ascendserve.layers import linear
 from ascendserve.layers.compact_linear import (COMPACT_ENV_VAR, Q4_GROUP, Q4_KERNEL_MAX_ROWS, Q8_GROUP,
                                                Q8_KERNEL_MAX_ROWS, Bf16Embedding, Bf16Linear, Q4Linear, Q8Linear,
-                                               bf16_kernel_for_large_batches, bf16_valued, find_q4_grid,
+                                               a8_tile_name, bf16_kernel_for_large_batches, bf16_valued, find_q4_grid,
                                                find_q8_grid, tile_kernels)
 from ascendserve.logger import init_logger
 
@@ -140,9 +140,9 @@ def _log_linears(stats: dict[str, int]) -> None:
                     "GEMM", stats["bf16_io"], stats["bf16_io_bytes"] / 2**20, how, COMPACT_ENV_VAR)
     if stats["int8_activations"]:
         logger.info("%d fp32 linear layers hold a 4-bit grid per %d inputs (a Q4_0 / Q4_1 GGUF): kept as 4-bit "
-                    "only (%.1f MiB, the fp32 weights released), multiplied with int8 activations in batches of "
+                    "only (%.1f MiB, the fp32 weights released), multiplied with int8 activations (%s) in batches of "
                     "2 rows or more (--activation-quantization int8, not bit-exact), in fp32 at one row",
-                    stats["q4"], Q4_GROUP, stats["q4_bytes"] / 2**20)
+                    stats["q4"], Q4_GROUP, stats["q4_bytes"] / 2**20, a8_tile_name(_kernels()))
     elif stats["q4"]:
         logger.info("%d fp32 linear layers hold a 4-bit grid per %d inputs (a Q4_0 / Q4_1 GGUF): also kept as "
                     "4-bit (%.1f MiB more) for batches of up to %d rows, multiplied in fp32 by the CPU kernel; "

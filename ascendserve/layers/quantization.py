@@ -47,7 +47,8 @@ import functools
 import torch
 from torch import nn
 
-from ascendserve.layers.compact_linear import KernelLinear, Q4Panels, pack_q4, round_to_grid, tile_kernels
+from ascendserve.layers.compact_linear import (KernelLinear, Q4Panels, a8_tile_name, pack_q4, round_to_grid,
+                                               tile_kernels)
 from ascendserve.layers.linear import dense_linear
 from ascendserve.logger import init_logger
 
@@ -288,7 +289,8 @@ def quantize_model_(model: nn.Module, method: str, int8_activations: bool = Fals
                 "weights %.1f MiB -> %.1f MiB (not bit-exact)", method, quantized, skipped,
                 before / 2**20, stats["bytes_after"] / 2**20)
     if a8:
-        logger.info("%d int4 layers multiply int8 activations (--activation-quantization int8)", a8)
+        logger.info("%d int4 layers multiply int8 activations (--activation-quantization int8; %s)", a8,
+                    a8_tile_name(tile_kernels()))
     return stats
 
 

@@ -8,8 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ascendserve.layers import compact_linear
-from ascendserve.layers.compact_linear import Q4_KERNEL_MAX_ROWS, Bf16Linear, Q4Linear, find_q4_grid, pack_q4
+from ascendserve.layers.compact_linear import (A8_TILES, Q4_KERNEL_MAX_ROWS, Bf16Linear, Q4Linear, a8_tile_name,
+                                               find_q4_grid, pack_q4)
 from ascendserve.layers.prepack import prepack_linears_
+from ascendserve.platforms.cpu import cpu_flags
 from tests.layers.kernel_checks import assert_kernel_rows, assert_kernel_up_to_max_rows, fp32_layer_type
 
 
@@ -221,6 +223,13 @@ def test_a8_kernel_passes_nan_and_inf_on_as_the_fp32_kernel_does(kernels, op):
     out, fp32 = getattr(kernels, op)(x, *packed, 64, None), kernels.q4_linear(x, *packed, 64, None)
     assert out[1:3].isnan().all() and fp32[1:3].isnan().all()
     assert out[[0, 3]].isfinite().all()
+
+
+def test_a8_kernel_runs_the_vnni_tile_as_the_cpu_has_it(kernels):
+    flags = cpu_flags()  # built with -march=native
+    tile = "avx512_vnni" if {"avx512f", "avx512_vnni"} <= flags else "avx2" if {"avx2", "fma"} <= flags else "portable"
+    assert kernels.q4_a8_tile() == tile
+    assert a8_tile_name(kernels) == A8_TILES[tile]
 
 
 def test_a8_kernel_rejects_a_block_size_it_cannot_take(kernels):

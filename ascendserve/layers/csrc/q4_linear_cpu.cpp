@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -332,8 +333,9 @@ at::Tensor q4_unpack(const at::Tensor& q, const at::Tensor& scales, const at::Te
 // 8 of them (30480 < 32767). On the AMD EPYC (Zen 3) we measure, vpmaddubsw issues about once a cycle
 // (2.0 G/s a core, a loop of independent maddubs + add: 64 G multiply-adds/s) and fp32 FMAs twice (16 lanes
 // of multiply-adds a cycle against 32): this kernel runs the demo's prefill shapes at 170-210 GFLOP/s on 2
-// threads, near that peak, where oneDNN's fp32 GEMM reaches 90-115. AVX-512 builds use the same AVX2 tile
-// (AVX512-VNNI's vpdpbusd would do the multiply and the add in one: not written, no such CPU here).
+// threads, near that peak, where oneDNN's fp32 GEMM reaches 90-115. Where the build has AVX512-VNNI (Intel
+// since Cascade Lake, AMD since Zen 4), vpdpbusd multiplies 64 byte pairs and adds them in fours onto 16 int32
+// lanes in one instruction: the tile below takes all 32 outputs of a panel per register pair and 6 rows.
 
 constexpr int64_t kActBlock = 32;  // inputs per dx
 constexpr int kA8Rows = 4;         // x rows per register tile
@@ -464,6 +466,70 @@ void tile_a8_avx2(const A8Rows& x, const uint8_t* w8, const float* d, const floa
 }
 #endif
 
+#if defined(ASCENDSERVE_TILES_AVX512) && defined(__AVX512VNNI__)
+#define ASCENDSERVE_A8_VNNI 1
+constexpr int kVnniRows = 6;  // x rows per tile: 12 int32 block sums and 12 fp32 totals in registers
+
+// Per block of 32 inputs and row: 8 broadcasts of 4 int8 inputs, 16 vpdpbusd (exact int32 sums: at most
+// 32 * 15 * 127 a lane), then the block folded into fp32 as in the AVX2 tile.
+template <int ROWS>
+void tile_a8_vnni(const A8Rows& x, const uint8_t* w8, const float* d, const float* mn, int64_t group,
+                  float (*acc)[kPanel]) {
+  const int64_t per_group = group / kActBlock;
+  __m512 total[ROWS][2];
+  for (int m = 0; m < ROWS; ++m) total[m][0] = total[m][1] = _mm512_setzero_ps();
+  int64_t g = 0, in_group = 0;
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    __m512i block[ROWS][2];
+    for (int m = 0; m < ROWS; ++m) block[m][0] = block[m][1] = _mm512_setzero_si512();
+    const uint8_t* w = w8 + b * (kActBlock / 4) * 4 * kPanel;
+    const int8_t* a = x.qx + b * kActBlock;
+    for (int s = 0; s < kActBlock / 4; ++s) {
+      const __m512i w0 = _mm512_loadu_si512(w + s * 4 * kPanel);
+      const __m512i w1 = _mm512_loadu_si512(w + s * 4 * kPanel + 64);
+      for (int m = 0; m < ROWS; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, a + m * x.k + 4 * s, sizeof quad);
+        const __m512i am = _mm512_set1_epi32(quad);
+        block[m][0] = _mm512_dpbusd_epi32(block[m][0], w0, am);
+        block[m][1] = _mm512_dpbusd_epi32(block[m][1], w1, am);
+      }
+    }
+    const float* dg = d + g * kPanel;
+    const float* mg = mn + g * kPanel;
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512 dxm = _mm512_set1_ps(x.dx[m * x.blocks + b]);
+      const __m512 sxm = _mm512_set1_ps(x.sx[m * x.blocks + b]);
+      for (int v = 0; v < 2; ++v) {
+        const __m512 isum = _mm512_cvtepi32_ps(block[m][v]);
+        total[m][v] = _mm512_fmadd_ps(isum, _mm512_mul_ps(_mm512_loadu_ps(dg + 16 * v), dxm), total[m][v]);
+        total[m][v] = _mm512_fmadd_ps(_mm512_loadu_ps(mg + 16 * v), sxm, total[m][v]);
+      }
+    }
+    if (++in_group == per_group) in_group = 0, ++g;
+  }
+  for (int m = 0; m < ROWS; ++m)
+    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(acc[m] + 16 * v, total[m][v]);
+}
+#endif
+
+// Which tile q4_a8_linear runs in this build.
+std::string q4_a8_tile() {
+#if defined(ASCENDSERVE_A8_VNNI)
+  return "avx512_vnni";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+#if defined(ASCENDSERVE_A8_VNNI)
+constexpr int kA8TileRows = kVnniRows;
+#else
+constexpr int kA8TileRows = kA8Rows;
+#endif
+
 at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
                      int64_t n, const c10::optional<at::Tensor>& bias, bool portable) {
   const int64_t group = check_inputs(x, q, scales, mins, n, "q4_a8_linear");
@@ -488,11 +554,18 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
       const float* mn = m_ptr + p * (k / group) * kPanel;
       const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
       const float* panel_bias = bias_ptr ? bias_ptr + p * kPanel : nullptr;
-      for (int64_t m0 = 0; m0 < m_rows; m0 += kA8Rows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kA8Rows, m_rows - m0));
+      const int tile_rows = portable ? kA8Rows : kA8TileRows;
+      for (int64_t m0 = 0; m0 < m_rows; m0 += tile_rows) {
+        const int rows = static_cast<int>(std::min<int64_t>(tile_rows, m_rows - m0));
         const A8Rows xr{qx.data() + m0 * k, dx.data() + m0 * blocks, sx.data() + m0 * blocks, k, blocks};
-        float acc[kA8Rows][kPanel];
-#if defined(__AVX2__) && defined(__FMA__)
+        float acc[std::max(kA8Rows, kA8TileRows)][kPanel];
+#if defined(ASCENDSERVE_A8_VNNI)
+        if (!portable) {
+          ascendserve_panel::with_tile_rows<kVnniRows>(rows, [&](auto r) {
+            tile_a8_vnni<decltype(r)::value>(xr, w8.data(), d, mn, group, acc);
+          });
+        } else
+#elif defined(__AVX2__) && defined(__FMA__)
         if (!portable) {
           ascendserve_panel::with_tile_rows<kA8Rows>(rows, [&](auto r) {
             tile_a8_avx2<decltype(r)::value>(xr, w8.data(), d, mn, group, acc);
@@ -679,4 +752,5 @@ TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.impl("q4_linear_portable", c10::DispatchKey::CPU, TORCH_FN(q4_linear_portable));
   m.impl("q4_a8_linear", c10::DispatchKey::CPU, TORCH_FN(q4_a8_linear));
   m.impl("q4_a8_linear_portable", c10::DispatchKey::CPU, TORCH_FN(q4_a8_linear_portable));
+  m.def("q4_a8_tile() -> str", &q4_a8_tile);
 }
