@@ -70,12 +70,18 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
+KV_CACHE_PLACES = {"cpu": "CPU", "cuda": "GPU", "npu": "NPU"}  # torch device type -> the log line's word
+
+
 class EngineMetrics:
     """The `vllm:*` metrics of one served model, in a registry of its own."""
 
-    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
+                 device_type: str = "cuda") -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
+        # The log line names where the KV cache lives, as vLLM's CPU build says "CPU KV cache usage"
+        self.kv_cache_place = KV_CACHE_PLACES.get(device_type, device_type.upper())
         labels, r = ["model_name"], self.registry
 
         def gauge(name, doc):
@@ -165,7 +171,7 @@ class EngineMetrics:
         line = (f"Engine 000: Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {generation / elapsed:.1f} tokens/s, "
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
-                f"GPU KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
+                f"{self.kv_cache_place} KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
                 f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
         logger.info(line)
         return line

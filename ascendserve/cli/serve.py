@@ -197,7 +197,7 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None) -> None:
     engine = LLMEngine.from_engine_args(args)
     config = engine.config
     names = ns.served_model_name or [config.served_model_name]
-    metrics = EngineMetrics(names[0], config.max_model_len)
+    metrics = EngineMetrics(names[0], config.max_model_len, device_type=config.device.type)
     async_llm = AsyncLLM(engine, metrics)
     reasoning_cls, tool_cls = _parser_classes(ns, engine.tokenizer)
     options = ServerOptions(

@@ -240,3 +240,6 @@ def test_stats_log_line_like_vllm():
     for part in ["Avg prompt throughput:", "Avg generation throughput:", "Running: 2 reqs", "Waiting: 1 reqs",
                  "GPU KV cache usage: 25.0%", "Prefix cache hit rate: 40.0%"]:
         assert part in line, line
+    cpu = EngineMetrics("m", 2048, device_type="cpu")
+    cpu.record(SchedulerStats(num_running=1, kv_cache_usage=0.5), IterationStats(num_generation_tokens=3))
+    assert "CPU KV cache usage: 50.0%" in cpu.log() and "GPU" not in cpu.log(force=True)
