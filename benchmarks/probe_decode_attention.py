@@ -12,6 +12,8 @@ size 16, K/V gathered block by block from a cache shared by all sequences. Varia
   gather / gather_ws   the block gather alone, into fresh memory / into the kept buffer
   kernel / kernel_bf16 the C++ op the engine runs on CPU (ascendserve/layers/csrc/paged_decode_cpu.cpp), over
            the fp32 cache and over a bf16 copy of it (--kv-cache-dtype bfloat16), when the kernels build
+  kernel_bf16q         the op with bf16 queries over the bf16 copy (a model run in bf16: vdpbf16ps where the CPU
+           has AVX512-BF16, else its portable loops)
 Median ms per call, variants interleaved call by call; max abs diff of ws vs gqa.
 
     .venv/bin/python benchmarks/probe_decode_attention.py [--batches 8,64] [--contexts 256,512,1024]
@@ -83,6 +85,8 @@ def probe(hq, hk, d, b, ctx, rounds):
         flat_tables, kv_bf16 = tables.contiguous(), kv_cache.bfloat16()
         variants["kernel"] = lambda: kernels.paged_decode(q, kv_cache, flat_tables, lens, scale)
         variants["kernel_bf16"] = lambda: kernels.paged_decode(q, kv_bf16, flat_tables, lens, scale)
+        q_bf16 = q.bfloat16()
+        variants["kernel_bf16q"] = lambda: kernels.paged_decode(q_bf16, kv_bf16, flat_tables, lens, scale)
     diff = (variants["gqa"]() - variants["ws"]()).abs().max().item()
     samples = {name: [] for name in variants}
     names = list(variants)
@@ -106,7 +110,7 @@ def main() -> None:
         torch.set_num_threads(ns.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median ms per layer call, "
           f"{ns.rounds} interleaved rounds")
-    cols = ["gqa", "grouped", "ws", "gather", "gather_ws"] + (["kernel", "kernel_bf16"] if cpu_kernels.ops() else [])
+    cols = ["gqa", "grouped", "ws", "gather", "gather_ws"] + (["kernel", "kernel_bf16", "kernel_bf16q"] if cpu_kernels.ops() else [])
     print(f"{'model':<26}{'B':>4}{'ctx':>6}" + "".join(f"{c:>12}" for c in cols) + f"{'ws/gqa':>9}  maxdiff")
     with torch.inference_mode():
         for label, (hq, hk, d) in MODELS.items():

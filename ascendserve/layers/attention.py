@@ -72,10 +72,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         if (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and _kernel_reads(q.dtype, kv_cache.dtype)
                 and _rows_contiguous(k) and _rows_contiguous(v)
                 and (kernels := cpu_kernels.ops()) is not None):  # it stores k / v too
-            # Its SIMD loops take fp32 queries (over any cache dtype): a bf16 / fp16 model's queries are widened
-            # (exact) and the output rounded once. 2-core Xeon, the demo in bf16, 64 streams of ~140 tokens: the
-            # 30 layers' attention 25.7 -> 22.6 ms a step (torch.profiler, 5 steps, one process each).
-            wide = q.dtype in _HALVES
+            # Its SIMD loops take fp32 queries (over any cache dtype), and bf16 ones over a bf16 cache where the CPU
+            # has AVX512-BF16: a bf16 / fp16 model's queries are otherwise widened (exact) and the output rounded
+            # once. 2-core Xeon, the demo in bf16, 64 streams of ~140 tokens: the 30 layers' attention 25.7 -> 22.6 ms
+            # a step widened (torch.profiler, 5 steps, one process each).
+            wide = _widen_queries(q, kv_cache, kernels)
             out = kernels.paged_decode_write(q.float().contiguous() if wide else q.contiguous(), k, v, kv_cache,
                                              meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                                              scale)
@@ -127,6 +128,16 @@ def _prefill_kernel_takes_widened(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             and cpu_kernels.ops() is not None)
 
 
+def _widen_queries(q: torch.Tensor, kv_cache: torch.Tensor, kernels) -> bool:
+    """Whether the decode kernel gets q widened to fp32: half-precision queries, unless bf16 ones over a bf16 cache
+    with head_dim a multiple of 32 up to 256 where the kernel multiplies them with vdpbf16ps (exact products, fp32
+    sums: the same arithmetic as the widened queries, summed in another order)."""
+    if q.dtype not in _HALVES:
+        return False
+    return not (q.dtype == kv_cache.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256
+                and kernels.paged_decode_bf16_dot())
+
+
 def _rows_contiguous(t: torch.Tensor) -> bool:
     """Each row of t [T, H, D] contiguous (the views the qkv split gives; the row stride is free)."""
     return t.stride(2) == 1 and t.stride(1) == t.shape[2]
@@ -143,8 +154,8 @@ def _decode(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """
     if (q.device.type == "cpu" and _kernel_reads(q.dtype, kv_cache.dtype)
             and (kernels := cpu_kernels.ops()) is not None):  # fp32 queries, as paged_attention's decode-only steps
-        out = kernels.paged_decode(q.float() if q.dtype in _HALVES else q, kv_cache, meta.decode_block_tables,
-                                   meta.decode_context_lens, scale)
+        out = kernels.paged_decode(q.float() if _widen_queries(q, kv_cache, kernels) else q, kv_cache,
+                                   meta.decode_block_tables, meta.decode_context_lens, scale)
         return out.to(q.dtype)
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[-2]

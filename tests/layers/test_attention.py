@@ -29,22 +29,22 @@ def _dense_reference(q, ks, vs, scale):
     return out[0, :, 0]
 
 
-def _step(context_lens, num_heads, num_kv_heads, head_dim, seed):
+def _step(context_lens, num_heads, num_kv_heads, head_dim, seed, block_size=BLOCK_SIZE):
     """A decode step of len(context_lens) requests on shuffled blocks; returns (q, k, v, cache, meta, histories)."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // BLOCK_SIZE) for n in context_lens) + 3
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 3
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, histories = [], []
-    cache = torch.zeros(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
     for n in context_lens:
-        table = [order.pop() for _ in range(-(-n // BLOCK_SIZE))]
+        table = [order.pop() for _ in range(-(-n // block_size))]
         tables.append(table)
         past = torch.randn(2, n - 1, num_kv_heads, head_dim, generator=gen)
         for p in range(n - 1):  # the cached context, written where the block table says
-            cache[:, table[p // BLOCK_SIZE], p % BLOCK_SIZE] = past[:, p]
+            cache[:, table[p // block_size], p % block_size] = past[:, p]
         histories.append(past)
     lens = np.array(context_lens)
-    meta = build_attention_metadata(np.ones(len(lens), dtype=np.int64), lens - 1, lens - 1, tables, BLOCK_SIZE,
+    meta = build_attention_metadata(np.ones(len(lens), dtype=np.int64), lens - 1, lens - 1, tables, block_size,
                                     torch.device("cpu"))
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
     k = torch.randn(len(lens), num_kv_heads, head_dim, generator=gen)
@@ -88,6 +88,35 @@ def test_decode_in_half_precision_matches_fp32_attention(dtype, decode_path):
         vs = torch.cat([past[1].to(dtype), v[i:i + 1]]).float()
         ref = _dense_reference(q[i].float(), ks, vs, 32 ** -0.5)
         torch.testing.assert_close(out[i].float(), ref, rtol=2e-2, atol=2e-2)
+
+
+# A model run in bf16 over its bf16 cache: where the CPU has AVX512-BF16 the kernel takes the bf16 queries as they are
+# (vdpbf16ps over each key: exact products, fp32 sums; 16 keys' sums reduced together), the softmax and P V in fp32,
+# the output rounded once, so it is fp32 attention over the bf16 values within one bf16 rounding. Group sizes past
+# the V pass's four rows at a time, head_dims of 1, 2, 4 and 8 registers (and 48, which widens), blocks of 4, 16 and
+# 32 keys (16-key runs and ragged tails). The plain-torch path (SDPA in bf16) to the looser tolerance of the test above.
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 2, 256), (16, 2, 128), (6, 6, 32),
+                                                               (5, 1, 48)])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_bf16_decode_over_a_bf16_cache_is_fp32_attention_rounded_once(num_heads, num_kv_heads, head_dim,
+                                                                      block_size, decode_path):
+    q, k, v, cache, meta, histories = _step([1, 16, 17, 45, 70], num_heads, num_kv_heads, head_dim, seed=11,
+                                            block_size=block_size)
+    q, k, v, cache = (t.bfloat16() for t in (q * 3, k, v, cache))  # q scaled up: peaked softmaxes too
+    out = paged_attention(q, k, v, cache, meta, head_dim ** -0.5)
+    assert out.dtype == torch.bfloat16
+    for i, past in enumerate(histories):
+        ks, vs = (torch.cat([past[j].bfloat16(), new[i:i + 1]]).float() for j, new in ((0, k), (1, v)))
+        ref = _dense_reference(q[i].float(), ks, vs, head_dim ** -0.5)
+        if decode_path == "kernel":
+            torch.testing.assert_close(out[i].float(), ref, rtol=2 ** -8, atol=1e-4)
+        else:  # SDPA's bf16 path rounds its intermediates
+            torch.testing.assert_close(out[i].float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_the_decode_kernel_takes_bf16_queries_where_the_cpu_has_avx512_bf16(kernels):
+    from ascendserve.platforms.cpu import cpu_flags
+    assert kernels.paged_decode_bf16_dot() == ("avx512_bf16" in cpu_flags())
 
 
 # --kv-cache-dtype bfloat16 / float16 under an fp32 model: fp32 queries and new k / v, a half-precision
