@@ -98,12 +98,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         if _prefill_kernel_takes(out, qs, ks, vs):
             cpu_kernels.ops().prefill_attention(out[rows], qs, ks, vs, seq.count, scale)
             continue
-        if _prefill_kernel_takes_widened(qs, ks, vs):
-            wide = [t.float() for t in (qs, ks, vs)]  # exact
-            wide_out = torch.empty_like(wide[0])
-            cpu_kernels.ops().prefill_attention(wide_out, *wide, seq.count, scale)
-            out[rows] = wide_out  # rounded once
-            continue
         qs, ks, vs = (x.unflatten(0, (seq.count, -1)) for x in (qs, ks, vs))
         out[rows] = _sdpa(qs, ks, vs, seq.mask, scale).flatten(0, 1)
     return out
@@ -111,21 +105,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 def _prefill_kernel_takes(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the CPU prefill attention kernel (csrc/prefill_attention_cpu.cpp) runs these [T, H, D] tensors:
-    fp32 on CPU, head_dim a multiple of 16, each row's heads contiguous, the kernels built. Its causal mask is
-    the one _prefill_seq builds (query i of a chunk after a prefix of P tokens sees keys 0 .. P + i)."""
-    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and q.shape[-1] % 16 == 0
+    fp32, or bf16 (a model run in bf16: the kernel widens each value as it packs it, exact, and rounds its fp32 result
+    once), all four of one dtype on CPU, head_dim a multiple of 16, each row's heads contiguous, the kernels built.
+    Its causal mask is the one _prefill_seq builds (query i of a chunk after a prefix of P tokens sees keys 0 .. P + i).
+
+    bf16 stays on this exact fp32 arithmetic rather than SDPA's bf16 path, which is faster with AMX (2-core Xeon, 8
+    causal sequences of 256, ms per layer, SDPA bf16 / this kernel: the demo's heads 2.7 / 6.5, Qwen3.5's 4.9 / 17.5)
+    but rounds more: the demo's greedy answer to "What is the capital of France?" lost "Paris"
+    (tests/entrypoints/test_llm.py). 2-core AMD EPYC (Zen 4), the demo's 8 x 256 prefill in bf16: SDPA's bf16 path took
+    18% of the step (546 ms of its 30 layers' 3 s, torch.profiler)."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and out.dtype == q.dtype == k.dtype == v.dtype and q.shape[-1] % 16 == 0
             and all(_rows_contiguous(t) for t in (out, q, k, v)) and cpu_kernels.ops() is not None)
-
-
-def _prefill_kernel_takes_widened(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether bf16 q / k / v (a model run in bf16) go to the fp32 prefill kernel as widened copies: on CPU, head_dim
-    a multiple of 16, the kernels built. 2-core AMD EPYC (Zen 4), the demo's 8 x 256 prefill in bf16: SDPA's bf16
-    path took 18% of the step (546 ms of its 30 layers' 3 s, torch.profiler), the most after the linears. With AMX
-    SDPA's bf16 path is the faster (2-core Xeon, 8 causal sequences of 256, ms per layer, SDPA bf16 / this kernel: the
-    demo's heads 2.7 / 6.5, Qwen3.5's 4.9 / 17.5) but rounds more: the demo's greedy answer to "What is the capital of
-    France?" lost "Paris" (tests/entrypoints/test_llm.py), so the exact fp32 attention stays everywhere."""
-    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0
-            and cpu_kernels.ops() is not None)
 
 
 def _widen_queries(q: torch.Tensor, kv_cache: torch.Tensor, kernels) -> bool:

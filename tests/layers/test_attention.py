@@ -300,8 +300,10 @@ def test_prefill_kernel_refuses_what_it_cannot_run(kernels):
         kernels.prefill_attention(torch.empty_like(q), q, k[:4], k[:4], 1, 1.0)
     with pytest.raises(RuntimeError, match="3 query heads over 2"):
         kernels.prefill_attention(torch.empty(6, 3, 64), torch.randn(6, 3, 64), k, k, 1, 1.0)
-    with pytest.raises(RuntimeError, match="fp32"):
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):  # mixed dtypes
         kernels.prefill_attention(torch.empty_like(q), q.bfloat16(), k, k, 1, 1.0)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        kernels.prefill_attention(torch.empty_like(q).half(), q.half(), k.half(), k.half(), 1, 1.0)
 
 
 @pytest.mark.parametrize("head_dim", [24, 64])
@@ -319,9 +321,30 @@ def test_prefill_goes_to_sdpa_where_the_kernel_does_not_run(head_dim, kernels, m
     torch.testing.assert_close(out, _causal_reference(q, k, v, 1, 0.3), rtol=1e-5, atol=1e-5)
 
 
+# A model run in bf16 straight through the kernel (strided rows, a cached prefix, several sequences): each value widened
+# as it is packed, fp32 arithmetic, the result rounded once: exactly the fp32 kernel on widened copies, rounded.
+@pytest.mark.parametrize("count, tq, prefix", [(1, 37, 0), (3, 20, 0), (2, 9, 14)])
+def test_bf16_prefill_kernel_is_the_fp32_kernel_rounded_once(count, tq, prefix, kernels):
+    gen = torch.Generator().manual_seed(21)
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    packed = torch.randn(count * tq, width + 3, generator=gen).bfloat16()
+    q = packed[:, :num_heads * head_dim].unflatten(1, (num_heads, head_dim))
+    if prefix:
+        k, v = torch.randn(2, count * (tq + prefix), num_kv_heads, head_dim, generator=gen).bfloat16()
+    else:
+        k = packed[:, num_heads * head_dim:width - num_kv_heads * head_dim].unflatten(1, (num_kv_heads, head_dim))
+        v = packed[:, width - num_kv_heads * head_dim:width].unflatten(1, (num_kv_heads, head_dim))
+    out = torch.full((count * tq, num_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    kernels.prefill_attention(out, q, k, v, count, 0.2)
+    wide_out = torch.empty(out.shape)
+    kernels.prefill_attention(wide_out, q.float(), k.float(), v.float(), count, 0.2)
+    assert torch.equal(out, wide_out.bfloat16())
+
+
 @pytest.mark.parametrize("head_dim", [24, 64])
-def test_bf16_prefill_takes_the_fp32_kernel_on_widened_copies(head_dim, kernels, monkeypatch):
-    # A model run in bf16: the kernel on exact fp32 copies, the output rounded once (SDPA where head_dim rules it out).
+def test_bf16_prefill_takes_the_kernel_in_bf16(head_dim, kernels, monkeypatch):
+    # A model run in bf16: the kernel on the bf16 values, the output rounded once (SDPA where head_dim rules it out).
     calls = []
     real = attention._sdpa
     monkeypatch.setattr(attention, "_sdpa", lambda *a, **kw: calls.append(1) or real(*a, **kw))
