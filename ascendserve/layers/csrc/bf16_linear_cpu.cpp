@@ -24,11 +24,8 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
+#include "amx.h"
 #include "panel_linear.h"
 
 namespace {
@@ -243,37 +240,20 @@ constexpr int kAmxRows = 32;   // x rows per block (two A tiles)
 constexpr int64_t kAmxPrefetchPairs = 64;  // how far ahead in the panel tile_amx prefetches (8 KiB)
 constexpr int64_t kAmxK = 32;  // inputs per tile step (64 bytes of bf16 per tile row)
 
-// Asks Linux for the AMX tile state once per process (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
-// without it the first tile instruction faults. False where the kernel refuses (then the vdpbf16ps tile runs).
-bool amx_permitted() {
-#if defined(__linux__)
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return permitted;
-#else
-  return false;  // the request is Linux's; elsewhere the vdpbf16ps tile
-#endif
-}
-
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+bool amx_permitted() { return ascendserve_amx::permitted(); }
 
 // The tile shapes for blocks of `rows` rows (1-32): tiles 0-1 the sums of rows 0-15 by outputs 0-15 / 16-31 and
 // 2-3 those of rows 16-31, 4-5 x's rows 0-15 / 16-31, 6-7 the panel's outputs 0-15 / 16-31. Loading a
 // configuration zeroes every tile, so a thread reconfigures only where a block's height changes (a last block).
 inline void amx_configure(int rows) {
-  AmxConfig config;
+  ascendserve_amx::Config config;
   const int top = std::min(rows, 16), bottom = std::max(rows - 16, 0);
   const int tile_rows[8] = {top, top, bottom, bottom, top, bottom, 16, 16};
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = static_cast<uint8_t>(tile_rows[t]);
     config.colsb[t] = tile_rows[t] ? 64 : 0;
   }
-  // Not _tile_loadconfig: GCC 12's intrinsic tells the compiler it reads only a pointer's 8 bytes, and the stores of
-  // the rest were optimised away (ldtilecfg then faulted on the uninitialised bytes).
-  asm volatile("ldtilecfg %0" ::"m"(config));
+  ascendserve_amx::load(config);
 }
 
 thread_local int amx_configured_rows = 0;  // the block height this thread's tiles are configured for (0: none)

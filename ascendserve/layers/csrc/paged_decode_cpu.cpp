@@ -37,7 +37,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "softmax_avx2.h"
+#include "softmax_simd.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -46,42 +46,7 @@
 namespace {
 
 #if defined(__AVX512F__)
-// exp(x), 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative
-// error ~1e-7, below fp32's epsilon), times 2^n by vscalefps. Inputs are clamped to [-88, 88].
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts (Cephes)
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// s[0 .. n) = exp(s - max(s)); returns the sum.
-inline float softmax_numerators(float* s, int64_t n) {
-  const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());  // not -inf: built with -ffast-math
-  auto lanes = [n](int64_t t) {  // the lanes of s[t .. t + 16) below n
-    return n - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
-  };
-  __m512 vmax = lowest;
-  for (int64_t t = 0; t < n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(lowest, lanes(t), s + t));
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-  __m512 vsum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 m = lanes(t);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx));
-    _mm512_mask_storeu_ps(s + t, m, e);
-    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
-  }
-  return _mm512_reduce_add_ps(vsum);
-}
+using ascendserve_simd::softmax_numerators_avx512;
 
 // 16 cache values as fp32: as they are, or bf16 / fp16 widened (exact).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -202,7 +167,7 @@ void item_avx512(const float* qf, const cache_t* k_ptr, const cache_t* v_ptr, co
     }
   }
   std::vector<float> inv_sum(rows_per_item);
-  for (int64_t j = 0; j < rows_per_item; ++j) inv_sum[j] = 1.f / softmax_numerators(scores + j * len, len);
+  for (int64_t j = 0; j < rows_per_item; ++j) inv_sum[j] = 1.f / softmax_numerators_avx512(scores + j * len, len);
   std::fill(acc, acc + rows_per_item * head_dim, 0.f);
   if constexpr (!std::is_same_v<cache_t, float>) {  // each half-precision value widened once for its kv head's rows
     v_pass_shared(v_ptr, table, len, h0, heads, group, head_dim, block_size, token_stride, block_stride, scores, acc);
@@ -308,7 +273,7 @@ void item_bf16_dot(const c10::BFloat16* q, const c10::BFloat16* k_ptr, const c10
     }
   }
   std::vector<float> inv_sum(rows_per_item);
-  for (int64_t j = 0; j < rows_per_item; ++j) inv_sum[j] = 1.f / softmax_numerators(scores + j * len, len);
+  for (int64_t j = 0; j < rows_per_item; ++j) inv_sum[j] = 1.f / softmax_numerators_avx512(scores + j * len, len);
   std::fill(acc, acc + rows_per_item * head_dim, 0.f);
   v_pass_shared(v_ptr, table, len, h0, heads, group, head_dim, block_size, token_stride, block_stride, scores, acc);
   for (int64_t j = 0; j < rows_per_item; ++j) {
@@ -322,7 +287,7 @@ void item_bf16_dot(const c10::BFloat16* q, const c10::BFloat16* k_ptr, const c10
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The same loops for AVX2 + FMA (8 lanes; head_dim a multiple of 8); exp and the softmax from softmax_avx2.h.
+// The same loops for AVX2 + FMA (8 lanes; head_dim a multiple of 8); exp and the softmax from softmax_simd.h.
 using ascendserve_simd::hsum256;
 using ascendserve_simd::softmax_numerators_avx2;
 

@@ -31,9 +31,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "bf16_convert.h"
 #include "f32_tile.h"
-#include "softmax_avx2.h"
+#include "softmax_simd.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define ASCENDSERVE_PREFILL_AMX 1
+#endif
 
 namespace {
 
@@ -48,7 +54,9 @@ constexpr int64_t kQueryBlock = 48;  // queries per work item (8 tiles of 6)
 
 // s[0 .. n) = exp(s - max(s)); returns the sum.
 inline float softmax_numerators(float* s, int64_t n) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+  return ascendserve_simd::softmax_numerators_avx512(s, n);
+#elif defined(__AVX2__) && defined(__FMA__)
   return ascendserve_simd::softmax_numerators_avx2(s, n);
 #else
   const float mx = *std::max_element(s, s + n);
@@ -177,6 +185,241 @@ void attend_block(const Problem<T>& pr, int64_t q0, int64_t rows, int64_t seq, i
   }
 }
 
+#if defined(ASCENDSERVE_PREFILL_AMX)
+// bf16 on AMX (head_dim a multiple of 32): tdpbf16ps multiplies a 16 x 32 bf16 A tile by a 32 x 16 B tile of value
+// pairs into 16 x 16 fp32 sums (exact products, fp32 sums). Per work item and 16 queries of a query head:
+//   S = Q K^T on the tiles (Q's bf16 values as they are: the products the fp32 arithmetic gives), scaled in fp32;
+//   each row's softmax over its causal prefix in fp32;
+//   O = P V with P split into bf16 high and low parts, P_hi = bf16(P), P_lo = bf16(P - P_hi), two tile products into
+//   one fp32 sum: P_hi + P_lo is P to within 2^-16 of it, below the output's own bf16 rounding (SDPA's bf16 path
+//   rounds P to bf16 once, 2^-8, which cost the demo's greedy "Paris");
+//   the output rounded to bf16 once.
+// Tiles (all 16 rows x 64 bytes): 0, 4, 5, 6 the sums of up to four panels (independent chains: one accumulator's
+// tdpbf16ps waits for the one before), 1 and 3 the A operands (Q, or P_hi and P_lo), 2 and 7 the B operands. With one
+// accumulator the demo's 8 x 256 prefill attention took 3.35 ms a layer.
+constexpr int64_t kAmxTile = 16;  // a tile's rows and outputs
+constexpr int kAmxSums = 4;       // accumulator tiles
+
+// K of (seq, h) as B tiles per panel p of 16 keys and chunk c of 32 dims: row i, key n holds K[16p + n][32c + 2i + e]
+// at [(p * chunks + c) * 512 + i * 32 + 2 n + e]; V as B tiles per chunk kc of 32 keys and panel dp of 16 dims: row i,
+// dim n holds V[32kc + 2i + e][16dp + n] at [(kc * dpanels + dp) * 512 + i * 32 + 2 n + e]. Zero past tk.
+int64_t amx_k_size(int64_t tk, int64_t d) { return (tk + 15) / 16 * (d / 32) * 512; }
+int64_t amx_v_size(int64_t tk, int64_t d) { return (tk + 31) / 32 * (d / 16) * 512; }
+
+void pack_kv_amx(const Problem<at::BFloat16>& pr, int64_t seq, int64_t h, uint16_t* kb, uint16_t* vb) {
+  const int64_t d = pr.head_dim, chunks = d / 32, dpanels = d / 16;
+  const at::BFloat16* k_seq = pr.k.data + seq * pr.tk * pr.k.row_stride + h * d;
+  const at::BFloat16* v_seq = pr.v.data + seq * pr.tk * pr.v.row_stride + h * d;
+  std::fill(kb, kb + amx_k_size(pr.tk, d), uint16_t{0});
+  std::fill(vb, vb + amx_v_size(pr.tk, d), uint16_t{0});
+  for (int64_t t = 0; t < pr.tk; ++t) {
+    const at::BFloat16* kr = k_seq + t * pr.k.row_stride;
+    const int64_t p = t / 16, n = t % 16;
+    for (int64_t x = 0; x < d; ++x)  // dim x = 32c + 2i + e
+      kb[(p * chunks + x / 32) * 512 + (x % 32 / 2) * 32 + 2 * n + x % 2] = kr[x].x;
+    const at::BFloat16* vr = v_seq + t * pr.v.row_stride;
+    const int64_t kc = t / 32, i = t % 32 / 2, e = t % 2;
+    for (int64_t x = 0; x < d; ++x)  // dim x = 16dp + n
+      vb[(kc * dpanels + x / 16) * 512 + i * 32 + 2 * (x % 16) + e] = vr[x].x;
+  }
+}
+
+// Per-thread scratch: a work item's 16 queries [16][d], their scores [16][lds] and P's two parts [16][lds] (lds: the
+// keys rounded up to P V's 32), four tiles of output sums [16][64].
+struct AmxScratch {
+  int64_t lds;
+  std::vector<uint16_t> q, p_hi, p_lo;
+  std::vector<float> scores, out;
+  AmxScratch(const Problem<at::BFloat16>& pr)
+      : lds((pr.tk + 31) / 32 * 32), q(kAmxTile * pr.head_dim), p_hi(kAmxTile * lds), p_lo(kAmxTile * lds),
+        scores(kAmxTile * lds), out(kAmxTile * 16 * kAmxSums) {}
+};
+
+// S[., 16 p0 .. 16 (p0 + N)) = Q K^T for the N <= 4 key panels from p0: q [16][d] bf16, kb as pack_kv_amx lays it out,
+// s [16][lds] fp32.
+template <int N>
+inline void qk_panels(const uint16_t* q, int64_t d, const uint16_t* kb, int64_t p0, float* s, int64_t lds) {
+  const int64_t chunks = d / 32;
+  auto b = [&](int64_t p, int64_t c) { return kb + (p * chunks + c) * 512; };
+  _tile_zero(0);
+  if constexpr (N > 1) _tile_zero(4);
+  if constexpr (N > 2) _tile_zero(5);
+  if constexpr (N > 3) _tile_zero(6);
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(1, q + 32 * c, d * 2);
+    _tile_loadd(2, b(p0, c), 64);
+    _tile_dpbf16ps(0, 1, 2);
+    if constexpr (N > 1) {
+      _tile_loadd(7, b(p0 + 1, c), 64);
+      _tile_dpbf16ps(4, 1, 7);
+    }
+    if constexpr (N > 2) {
+      _tile_loadd(2, b(p0 + 2, c), 64);
+      _tile_dpbf16ps(5, 1, 2);
+    }
+    if constexpr (N > 3) {
+      _tile_loadd(7, b(p0 + 3, c), 64);
+      _tile_dpbf16ps(6, 1, 7);
+    }
+  }
+  _tile_stored(0, s + 16 * p0, lds * 4);
+  if constexpr (N > 1) _tile_stored(4, s + 16 * (p0 + 1), lds * 4);
+  if constexpr (N > 2) _tile_stored(5, s + 16 * (p0 + 2), lds * 4);
+  if constexpr (N > 3) _tile_stored(6, s + 16 * (p0 + 3), lds * 4);
+}
+
+// o [16][64] fp32 = (P_hi + P_lo) V for the N <= 4 dim panels from dp0 over key_chunks chunks of 32 keys: hi / lo
+// [16][lds] bf16, vb as pack_kv_amx lays it out.
+template <int N>
+inline void pv_panels(const uint16_t* hi, const uint16_t* lo, int64_t lds, const uint16_t* vb, int64_t dpanels,
+                      int64_t dp0, int64_t key_chunks, float* o) {
+  auto b = [&](int64_t kc, int64_t dp) { return vb + (kc * dpanels + dp) * 512; };
+  _tile_zero(0);
+  if constexpr (N > 1) _tile_zero(4);
+  if constexpr (N > 2) _tile_zero(5);
+  if constexpr (N > 3) _tile_zero(6);
+  for (int64_t kc = 0; kc < key_chunks; ++kc) {
+    _tile_loadd(1, hi + 32 * kc, lds * 2);
+    _tile_loadd(3, lo + 32 * kc, lds * 2);
+    _tile_loadd(2, b(kc, dp0), 64);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_dpbf16ps(0, 3, 2);
+    if constexpr (N > 1) {
+      _tile_loadd(7, b(kc, dp0 + 1), 64);
+      _tile_dpbf16ps(4, 1, 7);
+      _tile_dpbf16ps(4, 3, 7);
+    }
+    if constexpr (N > 2) {
+      _tile_loadd(2, b(kc, dp0 + 2), 64);
+      _tile_dpbf16ps(5, 1, 2);
+      _tile_dpbf16ps(5, 3, 2);
+    }
+    if constexpr (N > 3) {
+      _tile_loadd(7, b(kc, dp0 + 3), 64);
+      _tile_dpbf16ps(6, 1, 7);
+      _tile_dpbf16ps(6, 3, 7);
+    }
+  }
+  _tile_stored(0, o, 256);
+  if constexpr (N > 1) _tile_stored(4, o + 16, 256);
+  if constexpr (N > 2) _tile_stored(5, o + 32, 256);
+  if constexpr (N > 3) _tile_stored(6, o + 48, 256);
+}
+
+// hi[t] = bf16(P), lo[t] = bf16(P - hi[t]) for P = e[t] * inv, t < n (both rounded to nearest even).
+inline void split_probabilities(const float* e, int64_t n, float inv, uint16_t* hi, uint16_t* lo) {
+  const __m512 f = _mm512_set1_ps(inv);
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 m = n - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 prob = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, e + t), f);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(prob);
+    const __m512 h_value = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(prob, h_value));
+    _mm256_mask_storeu_epi16(hi + t, m, h);
+    _mm256_mask_storeu_epi16(lo + t, m, l);
+  }
+}
+
+// One work item on AMX: sequence seq, kv head h, queries q0 .. q0 + rows - 1, 16 at a time per query head.
+void attend_block_amx(const Problem<at::BFloat16>& pr, int64_t q0, int64_t rows, int64_t seq, int64_t h,
+                      const uint16_t* kb, const uint16_t* vb, AmxScratch& sc) {
+  const int64_t d = pr.head_dim, offset = pr.tk - pr.tq, group = pr.heads / pr.kv_heads;
+  const int64_t dpanels = d / 16, lds = sc.lds;
+  for (int64_t r0 = 0; r0 < rows; r0 += kAmxTile) {
+    const int64_t n = std::min(kAmxTile, rows - r0), last_keys = offset + q0 + r0 + n;  // the last row sees
+    const int64_t panels = (last_keys + 15) / 16, key_chunks = (last_keys + 31) / 32;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t head = h * group + g;
+      for (int64_t m = 0; m < kAmxTile; ++m) {  // the 16 queries' rows, zero past the block
+        uint16_t* dst = sc.q.data() + m * d;
+        if (m < n) {
+          const at::BFloat16* src = pr.q.data + (seq * pr.tq + q0 + r0 + m) * pr.q.row_stride + head * d;
+          for (int64_t x = 0; x < d; ++x) dst[x] = src[x].x;
+        } else {
+          std::fill(dst, dst + d, uint16_t{0});
+        }
+      }
+      for (int64_t p0 = 0; p0 < panels; p0 += kAmxSums) {
+        float* s = sc.scores.data();
+        switch (std::min<int64_t>(kAmxSums, panels - p0)) {
+          case 1: qk_panels<1>(sc.q.data(), d, kb, p0, s, lds); break;
+          case 2: qk_panels<2>(sc.q.data(), d, kb, p0, s, lds); break;
+          case 3: qk_panels<3>(sc.q.data(), d, kb, p0, s, lds); break;
+          default: qk_panels<4>(sc.q.data(), d, kb, p0, s, lds); break;
+        }
+      }
+      for (int64_t m = 0; m < kAmxTile; ++m) {
+        const int64_t seen = m < n ? offset + q0 + r0 + m + 1 : 0;
+        float* row = sc.scores.data() + m * lds;
+        uint16_t* hi = sc.p_hi.data() + m * lds;
+        uint16_t* lo = sc.p_lo.data() + m * lds;
+        if (seen) {
+          for (int64_t t = 0; t < seen; ++t) row[t] *= pr.scale;
+          split_probabilities(row, seen, 1.f / softmax_numerators(row, seen), hi, lo);
+        }
+        std::fill(hi + seen, hi + key_chunks * 32, uint16_t{0});
+        std::fill(lo + seen, lo + key_chunks * 32, uint16_t{0});
+      }
+      for (int64_t dp0 = 0; dp0 < dpanels; dp0 += kAmxSums) {
+        const int64_t np = std::min<int64_t>(kAmxSums, dpanels - dp0);
+        const uint16_t *hi = sc.p_hi.data(), *lo = sc.p_lo.data();
+        float* o = sc.out.data();
+        switch (np) {
+          case 1: pv_panels<1>(hi, lo, lds, vb, dpanels, dp0, key_chunks, o); break;
+          case 2: pv_panels<2>(hi, lo, lds, vb, dpanels, dp0, key_chunks, o); break;
+          case 3: pv_panels<3>(hi, lo, lds, vb, dpanels, dp0, key_chunks, o); break;
+          default: pv_panels<4>(hi, lo, lds, vb, dpanels, dp0, key_chunks, o); break;
+        }
+        for (int64_t m = 0; m < n; ++m) {
+          at::BFloat16* dst = pr.out + (seq * pr.tq + q0 + r0 + m) * pr.out_stride + head * d + 16 * dp0;
+          for (int64_t j = 0; j < 16 * np; ++j) dst[j] = from_float<at::BFloat16>(o[m * 64 + j]);
+        }
+      }
+    }
+  }
+}
+
+void run_amx(const Problem<at::BFloat16>& pr, int64_t count) {
+  const int64_t pairs = count * pr.kv_heads, k_size = amx_k_size(pr.tk, pr.head_dim);
+  const int64_t pair_size = k_size + amx_v_size(pr.tk, pr.head_dim);
+  std::vector<uint16_t> packed(pairs * pair_size);
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      uint16_t* kb = packed.data() + i * pair_size;
+      pack_kv_amx(pr, i / pr.kv_heads, i % pr.kv_heads, kb, kb + k_size);
+    }
+  });
+  const int64_t blocks = (pr.tq + kQueryBlock - 1) / kQueryBlock, items = pairs * blocks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+    ascendserve_amx::Config config;
+    for (int t = 0; t < 8; ++t) {
+      config.rows[t] = kAmxTile;
+      config.colsb[t] = 64;
+    }
+    ascendserve_amx::load(config);
+    AmxScratch sc(pr);
+    for (int64_t item = next++; item < items; item = next++) {
+      const int64_t b = blocks - 1 - item / pairs, pair = item % pairs;
+      const uint16_t* kb = packed.data() + pair * pair_size;
+      attend_block_amx(pr, b * kQueryBlock, std::min(kQueryBlock, pr.tq - b * kQueryBlock), pair / pr.kv_heads,
+                       pair % pr.kv_heads, kb, kb + k_size, sc);
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// Whether bf16 prefills with head_dim a multiple of 32 run on AMX here (built for a CPU with AMX-BF16, the tile state
+// granted by Linux).
+bool prefill_attention_amx() {
+#if defined(ASCENDSERVE_PREFILL_AMX)
+  return ascendserve_amx::permitted();
+#else
+  return false;
+#endif
+}
+
 void check_rows(const at::Tensor& t, const char* name, at::ScalarType dtype) {
   TORCH_CHECK(t.dim() == 3 && t.scalar_type() == dtype && t.stride(2) == 1 && t.stride(1) == t.size(2),
               "prefill_attention: ", name, " must be fp32 or bf16 (q's dtype for all four) [tokens, heads, head_dim] "
@@ -205,6 +448,14 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
   const int64_t tq = q.size(0) / count, tk = k.size(0) / count;
   TORCH_CHECK(tk >= tq, "prefill_attention: fewer keys (", tk, ") than queries (", tq, ") per sequence");
   if (tq == 0) return;
+#if defined(ASCENDSERVE_PREFILL_AMX)
+  if (dtype == at::kBFloat16 && d % 32 == 0 && prefill_attention_amx()) {
+    const Problem<at::BFloat16> pr{{q.data_ptr<at::BFloat16>(), q.stride(0)}, {k.data_ptr<at::BFloat16>(), k.stride(0)},
+                                   {v.data_ptr<at::BFloat16>(), v.stride(0)}, out.data_ptr<at::BFloat16>(),
+                                   out.stride(0), tq, tk, heads, kv_heads, d, static_cast<float>(scale)};
+    return run_amx(pr, count);
+  }
+#endif
   if (dtype == at::kBFloat16)
     run<at::BFloat16>(out, q, k, v, count, scale);
   else
@@ -247,4 +498,5 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
 TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, int count, float scale) -> ()");
   m.impl("prefill_attention", c10::DispatchKey::CPU, TORCH_FN(prefill_attention));
+  m.def("prefill_attention_amx() -> bool", &prefill_attention_amx);
 }
