@@ -119,14 +119,21 @@ def _prefill_kernel_takes(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             and all(_rows_contiguous(t) for t in (out, q, k, v)) and cpu_kernels.ops() is not None)
 
 
+_bf16_dot_by_head_dim: dict[int, bool] = {}  # kernels.paged_decode_bf16_dot(head_dim), asked once per head_dim
+
+
 def _widen_queries(q: torch.Tensor, kv_cache: torch.Tensor, kernels) -> bool:
     """Whether the decode kernel gets q widened to fp32: half-precision queries, unless bf16 ones over a bf16 cache
-    with head_dim a multiple of 32 up to 256 where the kernel multiplies them with vdpbf16ps (exact products, fp32
-    sums: the same arithmetic as the widened queries, summed in another order)."""
+    whose head_dim the kernel multiplies with vdpbf16ps (exact products, fp32 sums: the same arithmetic as the widened
+    queries, summed in another order; the kernel says which head_dims, per process)."""
     if q.dtype not in _HALVES:
         return False
-    return not (q.dtype == kv_cache.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256
-                and kernels.paged_decode_bf16_dot())
+    if not q.dtype == kv_cache.dtype == torch.bfloat16:
+        return True
+    head_dim = q.shape[-1]
+    if head_dim not in _bf16_dot_by_head_dim:
+        _bf16_dot_by_head_dim[head_dim] = kernels.paged_decode_bf16_dot(head_dim)
+    return not _bf16_dot_by_head_dim[head_dim]
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:

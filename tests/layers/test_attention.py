@@ -116,7 +116,8 @@ def test_bf16_decode_over_a_bf16_cache_is_fp32_attention_rounded_once(num_heads,
 
 def test_the_decode_kernel_takes_bf16_queries_where_the_cpu_has_avx512_bf16(kernels):
     from ascendserve.platforms.cpu import cpu_flags
-    assert kernels.paged_decode_bf16_dot() == ("avx512_bf16" in cpu_flags())
+    has = "avx512_bf16" in cpu_flags()
+    assert [kernels.paged_decode_bf16_dot(d) for d in (32, 64, 256, 48, 288)] == [has, has, has, False, False]
 
 
 # --kv-cache-dtype bfloat16 / float16 under an fp32 model: fp32 queries and new k / v, a half-precision

@@ -420,6 +420,17 @@ void item_avx2(const float* qf, const cache_t* k_ptr, const cache_t* v_ptr, cons
 
 #endif
 
+// Whether bf16 queries of head_dim over a bf16 cache take the vdpbf16ps loops here (head_dim a multiple of 32, at most
+// kBf16DotMaxDim); else the caller widens them to fp32 (the portable loops are what bf16 queries take otherwise).
+bool bf16_dot_takes(int64_t head_dim) {
+#if defined(ASCENDSERVE_DECODE_BF16_DOT)
+  return head_dim % 32 == 0 && head_dim <= kBf16DotMaxDim;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
 // q and out in scalar_t, the cache in cache_t (the same type, or a half-precision cache under fp32
 // queries: --kv-cache-dtype).
 template <typename scalar_t, typename cache_t>
@@ -461,7 +472,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
       scores.resize(rows_per_item * len);
 #if defined(ASCENDSERVE_DECODE_BF16_DOT)
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
-        if (head_dim % 32 == 0 && head_dim <= kBf16DotMaxDim) {
+        if (bf16_dot_takes(head_dim)) {
           item_bf16_dot(q_item, k_ptr, v_ptr, table, len, h0, heads_per_item, group, head_dim, block_size,
                         token_stride, block_stride, fscale, scores.data(), acc.data(),
                         out_ptr + (b * num_heads + h0 * group) * head_dim);
@@ -545,15 +556,7 @@ void check_dtypes(at::ScalarType qt, at::ScalarType ct) {
               "for both, or a bfloat16 / float16 cache under float32 queries)");
 }
 
-// Whether bf16 queries over a bf16 cache (head_dim a multiple of 32, at most 256) take vdpbf16ps loops here; else the
-// caller widens them to fp32 (the portable loops are what bf16 queries take otherwise).
-bool paged_decode_bf16_dot() {
-#if defined(ASCENDSERVE_DECODE_BF16_DOT)
-  return true;
-#else
-  return false;
-#endif
-}
+bool paged_decode_bf16_dot(int64_t head_dim) { return bf16_dot_takes(head_dim); }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, double scale) {
@@ -647,7 +650,7 @@ TORCH_LIBRARY(ascendserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.def("paged_decode_write(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slots, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
-  m.def("paged_decode_bf16_dot() -> bool", &paged_decode_bf16_dot);
+  m.def("paged_decode_bf16_dot(int head_dim) -> bool", &paged_decode_bf16_dot);
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
   m.impl("paged_decode_write", c10::DispatchKey::CPU, TORCH_FN(paged_decode_write));
 }

@@ -185,6 +185,35 @@ void attend_block(const Problem<T>& pr, int64_t q0, int64_t rows, int64_t seq, i
   }
 }
 
+// The Problem over these tensors (checked by prefill_attention).
+template <typename T>
+Problem<T> make_problem(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t count,
+                        double scale) {
+  return Problem<T>{{q.data_ptr<T>(), q.stride(0)}, {k.data_ptr<T>(), k.stride(0)}, {v.data_ptr<T>(), v.stride(0)},
+                    out.data_ptr<T>(), out.stride(0), q.size(0) / count, k.size(0) / count, q.size(1), k.size(1),
+                    q.size(2), static_cast<float>(scale)};
+}
+
+// pack(pair) for every (sequence, kv head) pair, then the work items (pair, block of kQueryBlock queries) from the last
+// query block (the most keys) to the first, each thread taking the next one free: per thread, worker(drain) sets up
+// what the thread needs and calls drain(attend), which runs attend(q0, rows, pair) for each item the thread takes.
+template <typename Pack, typename Worker>
+void pack_then_attend(int64_t pairs, int64_t tq, const Pack& pack, const Worker& worker) {
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) pack(i);
+  });
+  const int64_t blocks = (tq + kQueryBlock - 1) / kQueryBlock, items = pairs * blocks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+    worker([&](const auto& attend) {
+      for (int64_t item = next++; item < items; item = next++) {
+        const int64_t b = blocks - 1 - item / pairs;
+        attend(b * kQueryBlock, std::min(kQueryBlock, tq - b * kQueryBlock), item % pairs);
+      }
+    });
+  });
+}
+
 #if defined(ASCENDSERVE_PREFILL_AMX)
 // bf16 on AMX (head_dim a multiple of 32): tdpbf16ps multiplies a 16 x 32 bf16 A tile by a 32 x 16 B tile of value
 // pairs into 16 x 16 fp32 sums (exact products, fp32 sums). Per work item and 16 queries of a query head:
@@ -383,15 +412,11 @@ void run_amx(const Problem<at::BFloat16>& pr, int64_t count) {
   const int64_t pairs = count * pr.kv_heads, k_size = amx_k_size(pr.tk, pr.head_dim);
   const int64_t pair_size = k_size + amx_v_size(pr.tk, pr.head_dim);
   std::vector<uint16_t> packed(pairs * pair_size);
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      uint16_t* kb = packed.data() + i * pair_size;
-      pack_kv_amx(pr, i / pr.kv_heads, i % pr.kv_heads, kb, kb + k_size);
-    }
-  });
-  const int64_t blocks = (pr.tq + kQueryBlock - 1) / kQueryBlock, items = pairs * blocks;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+  auto pack = [&](int64_t pair) {
+    uint16_t* kb = packed.data() + pair * pair_size;
+    pack_kv_amx(pr, pair / pr.kv_heads, pair % pr.kv_heads, kb, kb + k_size);
+  };
+  pack_then_attend(pairs, pr.tq, pack, [&](const auto& drain) {
     ascendserve_amx::Config config;
     for (int t = 0; t < 8; ++t) {
       config.rows[t] = kAmxTile;
@@ -399,12 +424,10 @@ void run_amx(const Problem<at::BFloat16>& pr, int64_t count) {
     }
     ascendserve_amx::load(config);
     AmxScratch sc(pr);
-    for (int64_t item = next++; item < items; item = next++) {
-      const int64_t b = blocks - 1 - item / pairs, pair = item % pairs;
+    drain([&](int64_t q0, int64_t rows, int64_t pair) {
       const uint16_t* kb = packed.data() + pair * pair_size;
-      attend_block_amx(pr, b * kQueryBlock, std::min(kQueryBlock, pr.tq - b * kQueryBlock), pair / pr.kv_heads,
-                       pair % pr.kv_heads, kb, kb + k_size, sc);
-    }
+      attend_block_amx(pr, q0, rows, pair / pr.kv_heads, pair % pr.kv_heads, kb, kb + k_size, sc);
+    });
     _tile_release();
   });
 }
@@ -449,12 +472,8 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(tk >= tq, "prefill_attention: fewer keys (", tk, ") than queries (", tq, ") per sequence");
   if (tq == 0) return;
 #if defined(ASCENDSERVE_PREFILL_AMX)
-  if (dtype == at::kBFloat16 && d % 32 == 0 && prefill_attention_amx()) {
-    const Problem<at::BFloat16> pr{{q.data_ptr<at::BFloat16>(), q.stride(0)}, {k.data_ptr<at::BFloat16>(), k.stride(0)},
-                                   {v.data_ptr<at::BFloat16>(), v.stride(0)}, out.data_ptr<at::BFloat16>(),
-                                   out.stride(0), tq, tk, heads, kv_heads, d, static_cast<float>(scale)};
-    return run_amx(pr, count);
-  }
+  if (dtype == at::kBFloat16 && d % 32 == 0 && prefill_attention_amx())
+    return run_amx(make_problem<at::BFloat16>(out, q, k, v, count, scale), count);
 #endif
   if (dtype == at::kBFloat16)
     run<at::BFloat16>(out, q, k, v, count, scale);
@@ -464,32 +483,21 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
 
 template <typename T>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t count, double scale) {
-  const int64_t heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
-  const int64_t tq = q.size(0) / count, tk = k.size(0) / count;
-  const Problem<T> pr{{q.data_ptr<T>(), q.stride(0)}, {k.data_ptr<T>(), k.stride(0)},
-                      {v.data_ptr<T>(), v.stride(0)}, out.data_ptr<T>(), out.stride(0), tq, tk, heads, kv_heads,
-                      d, static_cast<float>(scale)};
-  const int64_t pairs = count * kv_heads, key_panels = (tk + kTileCols - 1) / kTileCols;
-  const int64_t k_size = key_panels * d * kTileCols, v_size = d * tk;
-  at::Tensor packed = at::empty({pairs, k_size + v_size}, q.options().dtype(at::kFloat));
+  const Problem<T> pr = make_problem<T>(out, q, k, v, count, scale);
+  const int64_t pairs = count * pr.kv_heads, d = pr.head_dim, key_panels = (pr.tk + kTileCols - 1) / kTileCols;
+  const int64_t k_size = key_panels * d * kTileCols, pair_size = k_size + d * pr.tk;
+  at::Tensor packed = at::empty({pairs, pair_size}, q.options().dtype(at::kFloat));
   float* packed_ptr = packed.data_ptr<float>();
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float* kp = packed_ptr + i * (k_size + v_size);
-      pack_keys_values(pr, i / kv_heads, i % kv_heads, kp, kp + k_size);
-    }
-  });
-  // Items from the last query block (the most keys) to the first, each thread taking the next one free.
-  const int64_t blocks = (tq + kQueryBlock - 1) / kQueryBlock, items = pairs * blocks;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+  auto pack = [&](int64_t pair) {
+    float* kp = packed_ptr + pair * pair_size;
+    pack_keys_values(pr, pair / pr.kv_heads, pair % pr.kv_heads, kp, kp + k_size);
+  };
+  pack_then_attend(pairs, pr.tq, pack, [&](const auto& drain) {
     Scratch sc(pr);
-    for (int64_t item = next++; item < items; item = next++) {
-      const int64_t b = blocks - 1 - item / pairs, pair = item % pairs;
-      const float* kp = packed_ptr + pair * (k_size + v_size);
-      attend_block(pr, b * kQueryBlock, std::min(kQueryBlock, tq - b * kQueryBlock), pair / kv_heads, pair % kv_heads,
-                   kp, kp + k_size, sc);
-    }
+    drain([&](int64_t q0, int64_t rows, int64_t pair) {
+      const float* kp = packed_ptr + pair * pair_size;
+      attend_block(pr, q0, rows, pair / pr.kv_heads, pair % pr.kv_heads, kp, kp + k_size, sc);
+    });
   });
 }
 
