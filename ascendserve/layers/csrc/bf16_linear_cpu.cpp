@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "amx.h"
 #include "panel_linear.h"
@@ -258,47 +259,84 @@ inline void amx_configure(int rows) {
 
 thread_local int amx_configured_rows = 0;  // the block height this thread's tiles are configured for (0: none)
 
-// out[m][0 .. cols) for `rows` (1-32) rows of x [., K] (ldx in input pairs) by one panel, K a multiple of kAmxK;
-// the sums pass through `sums` [32][32] to the rounding store.
+// out[m][0 .. cols) for `rows` (1-32) rows of x [., K] (ldx in input pairs) by one panel, K a multiple of kAmxK, over
+// input pairs [kp0, kp1) of kpairs. A block whose sums span several such slices starts from the fp32 sums the last
+// slice left in `partial` ([32][32]) and leaves its own there until the last slice (kp1 == kpairs), which passes them
+// through `sums` to the rounding store. Storing and reloading fp32 tiles is exact: the sums are those of one pass.
+// With `stream` (a whole panel's 32 outputs, out's rows 64-byte aligned) the rows are written with non-temporal
+// stores, which neither read the lines first nor pass them through the caches: see bf16x.
 template <typename Out>
-void tile_amx(int rows, const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kpairs, Out* out, int64_t ldo,
-              int64_t cols, const float* bias) {
+void tile_amx(int rows, const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kp0, int64_t kp1,
+              int64_t kpairs, float* partial, Out* out, int64_t ldo, int64_t cols, const float* bias, bool stream) {
   if (rows != amx_configured_rows) {
     amx_configure(rows);
     amx_configured_rows = rows;
   }
   alignas(64) float sums[kAmxRows][kPanel];
   const int64_t x_stride = 4 * ldx, panel_stride = 4 * kPanel;  // bytes between rows of a tile
+  const int64_t partial_stride = sizeof sums[0];
   const bool two = rows > 16;
-  _tile_zero(0);
-  _tile_zero(1);
-  if (two) {
-    _tile_zero(2);
-    _tile_zero(3);
+  if (kp0 == 0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  } else {
+    _tile_loadd(0, partial, partial_stride);
+    _tile_loadd(1, partial + 16, partial_stride);
+    if (two) {
+      _tile_loadd(2, partial + 16 * kPanel, partial_stride);
+      _tile_loadd(3, partial + 16 * kPanel + 16, partial_stride);
+    }
   }
   // Small blocks (decode) stream the panel from memory at the tiles' pace: its bytes kAmxPrefetchPairs pairs ahead
   // are asked for meanwhile (one row of a 1.6 GB stack of 8192 x 1024 layers: 19.3 GB/s on the vdpbf16ps tile, 22.5
-  // on AMX with this). Larger blocks compute longer per panel byte and reread it from cache: no prefetch there.
+  // on AMX with this). Larger blocks compute longer per panel byte and reread it from cache: no prefetch there; their
+  // x tiles are loaded with the streaming hint (tileloaddt1), so that they pass through L1 without evicting the
+  // panel's slice, which the chunk's next blocks read again (2048 x 576 by 3072 outputs: 2.3 -> 1.8 ms, a C loop).
   const char* ahead = rows <= 16 ? reinterpret_cast<const char*>(panel) + 4 * kPanel * kAmxPrefetchPairs : nullptr;
-  for (int64_t kp = 0; kp < kpairs; kp += kAmxK / 2) {
+  for (int64_t kp = kp0; kp < kp1; kp += kAmxK / 2) {
     if (ahead)
       for (int line = 0; line < 32; ++line) _mm_prefetch(ahead + kp * 4 * kPanel + 64 * line, _MM_HINT_T0);
-    _tile_loadd(4, x + kp, x_stride);
+    if (two) {
+      _tile_stream_loadd(4, x + kp, x_stride);
+    } else {
+      _tile_loadd(4, x + kp, x_stride);
+    }
     _tile_loadd(6, panel + kp * kPanel, panel_stride);
     _tile_loadd(7, panel + kp * kPanel + 16, panel_stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (two) {
-      _tile_loadd(5, x + 16 * ldx + kp, x_stride);
+      _tile_stream_loadd(5, x + 16 * ldx + kp, x_stride);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, &sums[0][0], sizeof sums[0]);
-  _tile_stored(1, &sums[0][16], sizeof sums[0]);
+  float* dst = kp1 < kpairs ? partial : &sums[0][0];
+  _tile_stored(0, dst, partial_stride);
+  _tile_stored(1, dst + 16, partial_stride);
   if (two) {
-    _tile_stored(2, &sums[16][0], sizeof sums[0]);
-    _tile_stored(3, &sums[16][16], sizeof sums[0]);
+    _tile_stored(2, dst + 16 * kPanel, partial_stride);
+    _tile_stored(3, dst + 16 * kPanel + 16, partial_stride);
+  }
+  if (kp1 < kpairs) return;
+  if (stream && cols == kPanel) {
+    const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+    for (int m = 0; m < rows; ++m) {
+      const __m512 lo = _mm512_add_ps(_mm512_load_ps(&sums[m][0]), b0);
+      const __m512 hi = _mm512_add_ps(_mm512_load_ps(&sums[m][16]), b1);
+      if constexpr (std::is_same_v<Out, float>) {
+        _mm512_stream_ps(out + m * ldo, lo);
+        _mm512_stream_ps(out + m * ldo + 16, hi);
+      } else {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(out + m * ldo), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    }
+    return;
   }
   for (int m = 0; m < rows; ++m) {
     const __m512 row[1][2] = {{_mm512_load_ps(&sums[m][0]), _mm512_load_ps(&sums[m][16])}};
@@ -308,6 +346,41 @@ void tile_amx(int rows, const uint32_t* x, int64_t ldx, const uint32_t* panel, i
       ascendserve_panel::store_tile_bf16<1>(row, out + m * ldo, ldo, cols, bias);
     }
   }
+}
+
+constexpr int64_t kAmxSliceInputs = 640;     // at most this many inputs per panel slice (40 KiB: L1 is 48)
+constexpr int64_t kAmxStreamBytes = 1 << 20;  // outputs from this size on are written with non-temporal stores
+
+// tile(p, m0, rows, cols, kp0, kp1, partial) over every panel, 32-row block and slice of input pairs: threads split the
+// panels; each walks its panels once per chunk of rows (about kChunkBytes of bf16 x), and a panel's inputs in slices
+// that stay in L1 while the chunk's blocks pass (one slice where the chunk is one block: nothing to reuse).
+// `partial` is the block's [32][32] fp32 sums between slices, in a per-thread buffer. 2048 rows, 2 threads (before
+// it the whole K per block, chunks of 1 MiB of fp32-sized x): 1024 inputs x 7168 outputs 17.6 -> 15.6 ms, 576 x 3072
+// 4.6 -> 3.0 ms, the same bits.
+template <typename Tile>
+void for_each_amx_block(int64_t m_rows, int64_t k, int64_t n, int64_t panels, const Tile& tile) {
+  const int64_t rows_per_chunk = ascendserve_panel::chunk_rows(m_rows, 2 * k, kAmxRows, ascendserve_panel::kChunkBytes);
+  const int64_t kpairs = k / 2, step = kAmxK / 2, steps = kpairs / step;
+  const int64_t slices = m_rows > kAmxRows ? (k + kAmxSliceInputs - 1) / kAmxSliceInputs : 1;
+  const int64_t slice_pairs = (steps + slices - 1) / slices * step;
+  at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
+    amx_configured_rows = 0;
+    std::vector<float> partials(slices > 1 ? rows_per_chunk * kPanel : 0);
+    for (int64_t c0 = 0; c0 < m_rows; c0 += rows_per_chunk) {
+      const int64_t c1 = std::min(m_rows, c0 + rows_per_chunk);
+      for (int64_t p = p_begin; p < p_end; ++p) {
+        const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
+        for (int64_t kp0 = 0; kp0 < kpairs; kp0 += slice_pairs) {
+          const int64_t kp1 = std::min(kpairs, kp0 + slice_pairs);
+          for (int64_t m0 = c0; m0 < c1; m0 += kAmxRows)
+            tile(p, m0, static_cast<int>(std::min<int64_t>(kAmxRows, c1 - m0)), cols, kp0, kp1,
+                 partials.empty() ? nullptr : partials.data() + (m0 - c0) * kPanel);
+        }
+      }
+    }
+    _mm_sfence();  // this thread's non-temporal stores (where a tile streamed) are visible before the output is read
+    _tile_release();
+  });
 }
 #endif
 #endif
@@ -368,13 +441,17 @@ at::Tensor bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n, const
   auto run = [&](auto* out_ptr) {
 #if defined(ASCENDSERVE_BF16_AMX)
     if (use_amx && k % kAmxK == 0 && amx_permitted()) {
-      auto amx_rows = [&](int64_t p, int64_t m0, int rows, int64_t cols) {
-        tile_amx(rows, x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kpairs, out_ptr + m0 * n + p * kPanel,
-                 n, cols, bias_ptr ? bias_ptr + p * kPanel : nullptr);
+      // An output of 1 MiB or more leaves L2 anyway; written through the caches it would also read every line first
+      // and push the x chunk and the panel slices out of L2 (2048 rows, 2 threads: 1024 inputs x 7168 outputs 15.6
+      // -> 10.3-10.7 ms, 576 x 3072 3.0 -> 2.5-2.6 ms; oneDNN's F.linear 11.2-12.3 and 2.7-2.9 ms).
+      const int64_t row_bytes = n * static_cast<int64_t>(sizeof(*out_ptr));
+      const bool stream = m_rows * row_bytes >= kAmxStreamBytes && row_bytes % 64 == 0 &&
+                          reinterpret_cast<uintptr_t>(out_ptr) % 64 == 0;
+      auto amx_block = [&](int64_t p, int64_t m0, int rows, int64_t cols, int64_t kp0, int64_t kp1, float* partial) {
+        tile_amx(rows, x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kp0, kp1, kpairs, partial,
+                 out_ptr + m0 * n + p * kPanel, n, cols, bias_ptr ? bias_ptr + p * kPanel : nullptr, stream);
       };
-      return ascendserve_panel::for_each_tile<kAmxRows>(m_rows, k, n, panels, amx_rows,
-                                                        [] { amx_configured_rows = 0; },
-                                                        [] { _tile_release(); });
+      return for_each_amx_block(m_rows, k, n, panels, amx_block);
     }
 #endif
     ascendserve_panel::for_each_tile<kRowBlock>(m_rows, k, n, panels, [&](int64_t p, int64_t m0, int rows,

@@ -44,36 +44,33 @@ inline void check_outputs(int64_t n, int64_t panels, int64_t width, const char* 
   TORCH_CHECK(n > (panels - 1) * width && n <= panels * width, op, ": n=", n, " does not match ", panels, " panels");
 }
 
+// Rows per chunk for m_rows rows of row_bytes each: whole blocks of kRows rows holding at most about chunk_bytes
+// (at least one block), the chunks of about equal size, so that none is a sliver that streams the weight for a few
+// rows.
+inline int64_t chunk_rows(int64_t m_rows, int64_t row_bytes, int64_t k_rows, int64_t chunk_bytes) {
+  const int64_t max_chunk_rows = std::max<int64_t>(k_rows, chunk_bytes / row_bytes / k_rows * k_rows);
+  const int64_t chunks = std::max<int64_t>(1, (m_rows + max_chunk_rows - 1) / max_chunk_rows);
+  return ((m_rows + chunks - 1) / chunks + k_rows - 1) / k_rows * k_rows;
+}
+
 // tile(p, m0, rows, cols) for every panel p and block of up to kRows rows from row m0 (cols: the
 // panel's real output rows, fewer in the last). Threads split the panels; each walks its panels once
 // per chunk of rows, a chunk's x slice (at most about kChunkBytes of k fp32 inputs) staying in the
 // core's L2 meanwhile (decode batches are one chunk), and a panel staying in L1/L2 while the chunk's
-// blocks pass. Chunks are of about equal size (whole blocks of kRows rows but the last), so none is a
-// sliver that streams the weight for a few rows. enter() and leave() run on each thread before and after
-// its panels (the AMX tile's configuration is per thread).
-template <int kRows = kMaxRows, typename Tile, typename Enter, typename Leave>
-void for_each_tile(int64_t m_rows, int64_t k, int64_t n, int64_t panels, const Tile& tile, const Enter& enter,
-                   const Leave& leave) {
-  const int64_t max_chunk_rows = std::max<int64_t>(kRows, kChunkBytes / (4 * k) / kRows * kRows);
-  const int64_t chunks = std::max<int64_t>(1, (m_rows + max_chunk_rows - 1) / max_chunk_rows);
-  const int64_t chunk_rows = ((m_rows + chunks - 1) / chunks + kRows - 1) / kRows * kRows;
+// blocks pass.
+template <int kRows = kMaxRows, typename Tile>
+void for_each_tile(int64_t m_rows, int64_t k, int64_t n, int64_t panels, const Tile& tile) {
+  const int64_t rows_per_chunk = chunk_rows(m_rows, 4 * k, kRows, kChunkBytes);
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
-    enter();
-    for (int64_t c0 = 0; c0 < m_rows; c0 += chunk_rows) {
-      const int64_t c1 = std::min(m_rows, c0 + chunk_rows);
+    for (int64_t c0 = 0; c0 < m_rows; c0 += rows_per_chunk) {
+      const int64_t c1 = std::min(m_rows, c0 + rows_per_chunk);
       for (int64_t p = p_begin; p < p_end; ++p) {
         const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
         for (int64_t m0 = c0; m0 < c1; m0 += kRows)
           tile(p, m0, static_cast<int>(std::min<int64_t>(kRows, c1 - m0)), cols);
       }
     }
-    leave();
   });
-}
-
-template <int kRows = kMaxRows, typename Tile>
-void for_each_tile(int64_t m_rows, int64_t k, int64_t n, int64_t panels, const Tile& tile) {
-  for_each_tile<kRows>(m_rows, k, n, panels, tile, [] {}, [] {});
 }
 
 // fn(std::integral_constant<int, R>{}) with R = min(rows, kMax), rows >= 1: a tile's row count as a
