@@ -3,20 +3,23 @@ fastest (compact_linear.py's bf16 / 4-bit / 8-bit copies, linear.py's MKL pack o
 prepack_linears_ for the linear layers, compact_embeddings_ for the token embedding."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ascendserve.config import env_switch
 from ascendserve.layers import linear
+from ascendserve.layers.activation import GatedActivation
 from ascendserve.layers.compact_linear import (COMPACT_ENV_VAR, Q4_GROUP, Q4_KERNEL_MAX_ROWS, Q8_GROUP,
-                                               Q8_KERNEL_MAX_ROWS, Bf16Embedding, Bf16Linear, Q4Linear, Q8Linear,
+                                               Q8_KERNEL_MAX_ROWS, Bf16Embedding, Bf16GateUpSilu, Bf16Linear,
+                                               Q4Linear, Q8Linear,
                                                a8_tile_name, bf16_kernel_for_large_batches, bf16_valued, find_q4_grid,
                                                find_q8_grid, tile_kernels)
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
 
-STAT_KEYS = ("packed", "weight_bytes", "pack_bytes", "padded", "bf16", "bf16_bytes", "bf16_io", "bf16_io_bytes", "q4",
-             "q4_bytes", "q8", "q8_bytes", "onednn", "panel", "panel_bytes", "int8_activations")
+STAT_KEYS = ("packed", "weight_bytes", "pack_bytes", "padded", "bf16", "bf16_bytes", "bf16_io", "bf16_io_bytes",
+             "gate_up_silu", "q4", "q4_bytes", "q8", "q8_bytes", "onednn", "panel", "panel_bytes", "int8_activations")
 
 
 def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[str, int]:
@@ -45,8 +48,13 @@ def prepack_linears_(model: nn.Module, int8_activations: bool = False) -> dict[s
                     if layer is not child:
                         setattr(parent, name, layer)
                 elif isinstance(child, nn.Linear) and Bf16Linear.supports_bf16(child) and (kernels := _kernels()):
-                    fp32_out = name == "lm_head" or name in getattr(parent, "fp32_output_linears", ())
-                    layer = Bf16Linear.for_bf16(child, kernels, fp32_out=fp32_out)
+                    if _silu_after(parent, name) and Bf16GateUpSilu.supports(child, kernels):
+                        layer = Bf16GateUpSilu(child, kernels)
+                        parent.act = nn.Identity()  # the layer returns silu(gate) * up
+                        stats["gate_up_silu"] += 1
+                    else:
+                        fp32_out = name == "lm_head" or name in getattr(parent, "fp32_output_linears", ())
+                        layer = Bf16Linear.for_bf16(child, kernels, fp32_out=fp32_out)
                     _count(stats, "bf16_io", layer.packed.numel() * 2)
                     setattr(parent, name, layer)
     _log_linears(stats)
@@ -90,6 +98,13 @@ def _cpu_form(child: nn.Linear, int8_activations: bool, stats: dict[str, int],
         layer = Q8Linear(layer, grid8, kernels)
         _count(stats, "q8", sum(t.numel() * t.element_size() for t in (layer.q, layer.scales)))
     return layer
+
+
+def _silu_after(parent: nn.Module, name: str) -> bool:
+    """Whether parent.<name> is a gated MLP's gate_up_proj followed by a SiLU GatedActivation in parent.act (LlamaMLP,
+    Qwen3.5's GatedMLP): down_proj(act(gate_up_proj(x)))."""
+    act = getattr(parent, "act", None)
+    return name == "gate_up_proj" and isinstance(act, GatedActivation) and act.act is F.silu
 
 
 def _kernels():
@@ -138,6 +153,9 @@ def _log_linears(stats: dict[str, int]) -> None:
         logger.info("%d bf16 linear layers kept as bf16 panels (%.1f MiB) for the CPU kernel, which multiplies them %s "
                     "and rounds the fp32 sums to bf16 (the lm_head keeps them: fp32 logits); %s=0 keeps torch's bf16 "
                     "GEMM", stats["bf16_io"], stats["bf16_io_bytes"] / 2**20, how, COMPACT_ENV_VAR)
+        if stats["gate_up_silu"]:
+            logger.info("%d of them are MLP gate-and-up layers that also apply SiLU-and-mul in the same op",
+                        stats["gate_up_silu"])
     if stats["int8_activations"]:
         logger.info("%d fp32 linear layers hold a 4-bit grid per %d inputs (a Q4_0 / Q4_1 GGUF): kept as 4-bit "
                     "only (%.1f MiB, the fp32 weights released), multiplied with int8 activations (%s) in batches of "

@@ -9,7 +9,9 @@ from torch import nn
 
 from ascendserve.layers import cpu_kernels
 from ascendserve.layers import compact_linear
-from ascendserve.layers.compact_linear import Bf16Embedding, Bf16Linear, bf16_valued, pack_bf16
+from ascendserve.layers.activation import GatedActivation
+from ascendserve.layers.compact_linear import (Bf16Embedding, Bf16GateUpSilu, Bf16Linear, bf16_valued, pack_bf16,
+                                               pack_gate_up)
 from ascendserve.layers.linear import PanelLinear
 from ascendserve.layers.prepack import compact_embeddings_, prepack_linears_
 from ascendserve.platforms.cpu import cpu_flags
@@ -306,6 +308,86 @@ def test_prepack_gives_bf16_layers_the_kernel_for_every_batch(kernels, caplog):
     assert "bf16 in and out" in repr(model.proj)
     logits = model.lm_head(torch.randn(3, 32).bfloat16())  # the lm_head keeps its fp32 sums: fp32 logits
     assert logits.dtype == torch.float32 and logits.shape == (3, 100)
+
+
+# (rows, K, I) for the fused gate-and-up layer: one and two A tiles, last blocks of each height, K in one, two and
+# several slices (the demo's 576, Qwen3.5's 1024, 3584), and outputs of 1 MiB or more (non-temporal stores)
+GATE_UP_CASES = [(1, 576, 1536), (5, 64, 32), (17, 576, 96), (33, 1024, 3584), (64, 576, 1536), (300, 3584, 64),
+                 (256, 1024, 2048), (1100, 576, 512)]
+
+
+@pytest.mark.parametrize("rows,k,i", GATE_UP_CASES)
+def test_fused_gate_up_silu_is_the_linear_then_silu_and_mul_bit_for_bit(kernels, rows, k, i):
+    if not kernels.bf16_amx():
+        pytest.skip("bf16_linear_silu_mul multiplies on AMX only")
+    gen = torch.Generator().manual_seed(rows + k + i)
+    weight = (torch.randn(2 * i, k, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    unfused = kernels.silu_and_mul(kernels.bf16_linear_bf16x(x, pack_bf16(weight), 2 * i, None, True))
+    fused = kernels.bf16_linear_silu_mul(x, pack_gate_up(weight), i)
+    assert fused.dtype == torch.bfloat16 and fused.shape == (rows, i)
+    assert torch.equal(fused, unfused)
+    # and against torch: silu(gate) * up in fp64 of the layer's bf16 products (the linear is checked against exact
+    # products above), within the output's bf16 rounding
+    gate_up = kernels.bf16_linear_bf16x(x, pack_bf16(weight), 2 * i, None, True).double()
+    ref = F.silu(gate_up[:, :i]) * gate_up[:, i:]
+    assert ((fused.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-30).all()
+
+
+def test_pack_gate_up_pairs_the_gate_and_up_panels():
+    weight = torch.arange(128 * 4, dtype=torch.float32).reshape(128, 4).bfloat16()  # I = 64: two panel pairs
+    panels = pack_bf16(weight)
+    assert torch.equal(pack_gate_up(weight), torch.stack([panels[0], panels[2], panels[1], panels[3]]))
+
+
+def test_fused_gate_up_silu_rejects_bad_inputs(kernels):
+    packed = pack_gate_up(torch.zeros(128, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        kernels.bf16_linear_silu_mul(torch.zeros(3, 64), packed, 64)
+    with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+        kernels.bf16_linear_silu_mul(torch.zeros(3, 32).bfloat16(), packed, 64)
+    with pytest.raises(RuntimeError, match="n=48 must be a multiple of 32"):
+        kernels.bf16_linear_silu_mul(torch.zeros(3, 64).bfloat16(), packed, 48)
+    if not kernels.bf16_amx():
+        with pytest.raises(RuntimeError, match="needs AMX"):
+            kernels.bf16_linear_silu_mul(torch.zeros(3, 64).bfloat16(), packed, 64)
+
+
+class _Bf16MLP(nn.Module):
+    def __init__(self, act: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(64, 2 * 96, bias=bias)
+        self.down_proj = nn.Linear(96, 64, bias=False)
+        self.act = GatedActivation(act)
+        self.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+def test_prepack_fuses_a_silu_mlp_gate_up_on_amx_with_the_same_outputs(kernels, caplog):
+    model = _Bf16MLP()
+    gate_up = model.gate_up_proj.weight.detach().clone()
+    with caplog.at_level(logging.INFO):
+        stats = prepack_linears_(model)
+    fused = kernels.bf16_amx()
+    assert isinstance(model.gate_up_proj, Bf16GateUpSilu if fused else Bf16Linear)
+    assert isinstance(model.act, nn.Identity if fused else GatedActivation)
+    assert stats["gate_up_silu"] == fused and stats["bf16_io"] == 2
+    assert ("MLP gate-and-up layers that also apply SiLU-and-mul" in caplog.text) == fused
+    for rows in (1, 40, 300):
+        x = torch.randn(2, rows, 64).bfloat16()  # leading dims as the model's
+        unfused = kernels.silu_and_mul(kernels.bf16_linear_bf16x(x.reshape(-1, 64), pack_bf16(gate_up), 192, None,
+                                                                 True))
+        assert torch.equal(model(x).reshape(-1, 64), model.down_proj(unfused))
+    if fused:
+        assert "bf16 gate / up panel pairs" in repr(model.gate_up_proj)
+
+
+def test_prepack_keeps_other_activations_and_biased_gate_ups_unfused(kernels):
+    for model in (_Bf16MLP("gelu"), _Bf16MLP(bias=True)):
+        prepack_linears_(model)
+        assert isinstance(model.gate_up_proj, Bf16Linear) and isinstance(model.act, GatedActivation)
 
 
 def test_bf16_layers_keep_torch_gemm_when_turned_off(monkeypatch):

@@ -98,7 +98,8 @@ def test_bf16_model_on_the_bf16_kernel(tmp_path, budget):
     # --dtype bfloat16 on CPU: every linear on Bf16Linear.for_bf16 (vdpbf16ps where the CPU has AVX512-BF16),
     # against transformers' fp32 model of the same bf16 weights; bf16 activations round at every layer, so
     # logprobs agree to ~0.1 and greedy tokens may part only where transformers' best two are that close.
-    from ascendserve.layers.compact_linear import Bf16Linear
+    from ascendserve.layers import cpu_kernels
+    from ascendserve.layers.compact_linear import Bf16GateUpSilu, Bf16Linear
     config = CONFIGS["qwen3"]()
     config.architectures = ["Qwen3ForCausalLM"]
     torch.manual_seed(0)
@@ -109,9 +110,12 @@ def test_bf16_model_on_the_bf16_kernel(tmp_path, budget):
     prompts = make_prompts(VOCAB, LENGTHS, seed=2)
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", num_gpu_blocks_override=256,
               max_num_batched_tokens=budget)
-    linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, (torch.nn.Linear, Bf16Linear))]
-    # per layer qkv, o, gate_up, down; and the lm_head
-    assert len(linears) == 2 * 4 + 1 and all(isinstance(m, Bf16Linear) and m.bf16_io for m in linears)
+    kinds = (torch.nn.Linear, Bf16Linear, Bf16GateUpSilu)
+    linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, kinds)]
+    # per layer qkv, o, gate_up, down; and the lm_head; on AMX the gate_up layers apply SiLU-and-mul too
+    assert len(linears) == 2 * 4 + 1 and all(isinstance(m, kinds[1:]) and m.bf16_io for m in linears)
+    fused = sum(isinstance(m, Bf16GateUpSilu) for m in linears)
+    assert fused == (2 if (kernels := cpu_kernels.ops()) is not None and kernels.bf16_amx() else 0)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs):

@@ -28,6 +28,7 @@
 
 #include "amx.h"
 #include "panel_linear.h"
+#include "softmax_simd.h"
 
 namespace {
 
@@ -259,22 +260,18 @@ inline void amx_configure(int rows) {
 
 thread_local int amx_configured_rows = 0;  // the block height this thread's tiles are configured for (0: none)
 
-// out[m][0 .. cols) for `rows` (1-32) rows of x [., K] (ldx in input pairs) by one panel, K a multiple of kAmxK, over
-// input pairs [kp0, kp1) of kpairs. A block whose sums span several such slices starts from the fp32 sums the last
-// slice left in `partial` ([32][32]) and leaves its own there until the last slice (kp1 == kpairs), which passes them
-// through `sums` to the rounding store. Storing and reloading fp32 tiles is exact: the sums are those of one pass.
-// With `stream` (a whole panel's 32 outputs, out's rows 64-byte aligned) the rows are written with non-temporal
-// stores, which neither read the lines first nor pass them through the caches: see bf16x.
-template <typename Out>
-void tile_amx(int rows, const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kp0, int64_t kp1,
-              int64_t kpairs, float* partial, Out* out, int64_t ldo, int64_t cols, const float* bias, bool stream) {
+// The fp32 sums of `rows` (1-32) rows of x [., K] (ldx in input pairs) by one panel, K a multiple of kAmxK, over input
+// pairs [kp0, kp1) of kpairs. A block whose sums span several such slices starts from the sums the last slice left in
+// `partial` ([32][32]) and leaves its own there; the last slice (kp1 == kpairs) puts them in `sums` and returns true.
+// Storing and reloading fp32 tiles is exact: the sums are those of one pass.
+bool amx_sums(int rows, const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kp0, int64_t kp1,
+              int64_t kpairs, float* partial, float (*sums)[kPanel]) {
   if (rows != amx_configured_rows) {
     amx_configure(rows);
     amx_configured_rows = rows;
   }
-  alignas(64) float sums[kAmxRows][kPanel];
   const int64_t x_stride = 4 * ldx, panel_stride = 4 * kPanel;  // bytes between rows of a tile
-  const int64_t partial_stride = sizeof sums[0];
+  const int64_t sums_stride = kPanel * sizeof(float);
   const bool two = rows > 16;
   if (kp0 == 0) {
     _tile_zero(0);
@@ -284,11 +281,11 @@ void tile_amx(int rows, const uint32_t* x, int64_t ldx, const uint32_t* panel, i
       _tile_zero(3);
     }
   } else {
-    _tile_loadd(0, partial, partial_stride);
-    _tile_loadd(1, partial + 16, partial_stride);
+    _tile_loadd(0, partial, sums_stride);
+    _tile_loadd(1, partial + 16, sums_stride);
     if (two) {
-      _tile_loadd(2, partial + 16 * kPanel, partial_stride);
-      _tile_loadd(3, partial + 16 * kPanel + 16, partial_stride);
+      _tile_loadd(2, partial + 16 * kPanel, sums_stride);
+      _tile_loadd(3, partial + 16 * kPanel + 16, sums_stride);
     }
   }
   // Small blocks (decode) stream the panel from memory at the tiles' pace: its bytes kAmxPrefetchPairs pairs ahead
@@ -316,13 +313,21 @@ void tile_amx(int rows, const uint32_t* x, int64_t ldx, const uint32_t* panel, i
     }
   }
   float* dst = kp1 < kpairs ? partial : &sums[0][0];
-  _tile_stored(0, dst, partial_stride);
-  _tile_stored(1, dst + 16, partial_stride);
+  _tile_stored(0, dst, sums_stride);
+  _tile_stored(1, dst + 16, sums_stride);
   if (two) {
-    _tile_stored(2, dst + 16 * kPanel, partial_stride);
-    _tile_stored(3, dst + 16 * kPanel + 16, partial_stride);
+    _tile_stored(2, dst + 16 * kPanel, sums_stride);
+    _tile_stored(3, dst + 16 * kPanel + 16, sums_stride);
   }
-  if (kp1 < kpairs) return;
+  return kp1 == kpairs;
+}
+
+// out[m][0 .. cols) = sums[m] + bias for a block's rows, rounded to bf16 where Out is. With `stream` (a whole panel's 32
+// outputs, out's rows 64-byte aligned) the rows are written with non-temporal stores, which neither read the lines
+// first nor pass them through the caches: see bf16x.
+template <typename Out>
+void store_sums(const float (*sums)[kPanel], int rows, Out* out, int64_t ldo, int64_t cols, const float* bias,
+                bool stream) {
   if (stream && cols == kPanel) {
     const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
     const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
@@ -348,24 +353,47 @@ void tile_amx(int rows, const uint32_t* x, int64_t ldx, const uint32_t* panel, i
   }
 }
 
+// fp32 sums as the bf16 values a rounding store would leave (to nearest even), widened back.
+inline __m512 bf16_rounded(__m512 v) {
+  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// out[0 .. 32) = silu(g) * u for one row of gate and up sums, each first rounded to bf16 as the unfused layer's output
+// is, then silu_mul512 (silu_and_mul's arithmetic) rounded once: the unfused pair's bits.
+inline void store_silu_mul_row(const float* gate, const float* up, at::BFloat16* out, bool stream) {
+  __m512 o[2];
+  for (int h = 0; h < 2; ++h)
+    o[h] = ascendserve_simd::silu_mul512(bf16_rounded(_mm512_load_ps(gate + 16 * h)),
+                                         bf16_rounded(_mm512_load_ps(up + 16 * h)));
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(o[1], o[0]);
+  if (stream) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(out), both);
+  } else {
+    _mm512_storeu_si512(out, both);
+  }
+}
+
 constexpr int64_t kAmxSliceInputs = 640;     // at most this many inputs per panel slice (40 KiB: L1 is 48)
 constexpr int64_t kAmxStreamBytes = 1 << 20;  // outputs from this size on are written with non-temporal stores
 
-// tile(p, m0, rows, cols, kp0, kp1, partial) over every panel, 32-row block and slice of input pairs: threads split the
-// panels; each walks its panels once per chunk of rows (about kChunkBytes of bf16 x), and a panel's inputs in slices
-// that stay in L1 while the chunk's blocks pass (one slice where the chunk is one block: nothing to reuse).
-// `partial` is the block's [32][32] fp32 sums between slices, in a per-thread buffer. 2048 rows, 2 threads (before
+// tile(p, m0, rows, cols, kp0, kp1, partial) over every unit of kPanelsPerUnit panels (one; two for the fused gate and
+// up), 32-row block and slice of input pairs: threads split the units; each walks its units once per chunk of rows
+// (about kChunkBytes of bf16 x), and a unit's inputs in slices that stay in L1 while the chunk's blocks pass (one slice
+// where the chunk is one block: nothing to reuse). `partial` is the block's [kPanelsPerUnit][32][32] fp32 sums between
+// slices, in a per-thread buffer. 2048 rows, 2 threads (before
 // it the whole K per block, chunks of 1 MiB of fp32-sized x): 1024 inputs x 7168 outputs 17.6 -> 15.6 ms, 576 x 3072
 // 4.6 -> 3.0 ms, the same bits.
-template <typename Tile>
+template <int kPanelsPerUnit = 1, typename Tile>
 void for_each_amx_block(int64_t m_rows, int64_t k, int64_t n, int64_t panels, const Tile& tile) {
   const int64_t rows_per_chunk = ascendserve_panel::chunk_rows(m_rows, 2 * k, kAmxRows, ascendserve_panel::kChunkBytes);
   const int64_t kpairs = k / 2, step = kAmxK / 2, steps = kpairs / step;
-  const int64_t slices = m_rows > kAmxRows ? (k + kAmxSliceInputs - 1) / kAmxSliceInputs : 1;
+  const int64_t slice_inputs = kAmxSliceInputs / kPanelsPerUnit;
+  const int64_t slices = m_rows > kAmxRows ? (k + slice_inputs - 1) / slice_inputs : 1;
   const int64_t slice_pairs = (steps + slices - 1) / slices * step;
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     amx_configured_rows = 0;
-    std::vector<float> partials(slices > 1 ? rows_per_chunk * kPanel : 0);
+    std::vector<float> partials(slices > 1 ? rows_per_chunk * kPanel * kPanelsPerUnit : 0);
     for (int64_t c0 = 0; c0 < m_rows; c0 += rows_per_chunk) {
       const int64_t c1 = std::min(m_rows, c0 + rows_per_chunk);
       for (int64_t p = p_begin; p < p_end; ++p) {
@@ -374,7 +402,7 @@ void for_each_amx_block(int64_t m_rows, int64_t k, int64_t n, int64_t panels, co
           const int64_t kp1 = std::min(kpairs, kp0 + slice_pairs);
           for (int64_t m0 = c0; m0 < c1; m0 += kAmxRows)
             tile(p, m0, static_cast<int>(std::min<int64_t>(kAmxRows, c1 - m0)), cols, kp0, kp1,
-                 partials.empty() ? nullptr : partials.data() + (m0 - c0) * kPanel);
+                 partials.empty() ? nullptr : partials.data() + (m0 - c0) * kPanel * kPanelsPerUnit);
         }
       }
     }
@@ -448,8 +476,10 @@ at::Tensor bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n, const
       const bool stream = m_rows * row_bytes >= kAmxStreamBytes && row_bytes % 64 == 0 &&
                           reinterpret_cast<uintptr_t>(out_ptr) % 64 == 0;
       auto amx_block = [&](int64_t p, int64_t m0, int rows, int64_t cols, int64_t kp0, int64_t kp1, float* partial) {
-        tile_amx(rows, x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kp0, kp1, kpairs, partial,
-                 out_ptr + m0 * n + p * kPanel, n, cols, bias_ptr ? bias_ptr + p * kPanel : nullptr, stream);
+        alignas(64) float sums[kAmxRows][kPanel];
+        if (amx_sums(rows, x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kp0, kp1, kpairs, partial, sums))
+          store_sums(sums, rows, out_ptr + m0 * n + p * kPanel, n, cols, bias_ptr ? bias_ptr + p * kPanel : nullptr,
+                     stream);
       };
       return for_each_amx_block(m_rows, k, n, panels, amx_block);
     }
@@ -465,6 +495,43 @@ at::Tensor bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n, const
   at::Tensor out = linear(x.to(at::kFloat), packed, n, bias, false);
   return bf16_out ? out.to(at::kBFloat16) : out;
 #endif
+}
+
+// silu(x @ G.T) * (x @ U.T) for bf16 x [M, K] on AMX, out [M, n] bf16, from the gate-and-up layer's panels taken in
+// pairs, gate panel q then up panel q ([g0, u0, g1, u1, ...], pack_gate_up in compact_linear.py; n a multiple of 32):
+// both panels' sums for a block, each rounded to bf16, then silu_and_mul's arithmetic, so the values are those of
+// bf16_linear_bf16x and silu_and_mul one after the other, without the [M, 2n] product going to memory and back.
+at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "bf16_linear_silu_mul: x must be a contiguous bf16 [M, K] tensor");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+              packed.size(2) == kPanel && packed.size(3) == 2,
+              "bf16_linear_silu_mul: packed must be [2n/32, K/2, 32, 2] bf16");
+  const int64_t m_rows = x.size(0), k = x.size(1), kpairs = packed.size(1);
+  TORCH_CHECK(k == 2 * kpairs, "bf16_linear_silu_mul: x has ", k, " columns, the weight ", 2 * kpairs);
+  TORCH_CHECK(n > 0 && n % kPanel == 0 && packed.size(0) == 2 * n / kPanel, "bf16_linear_silu_mul: n=", n,
+              " must be a multiple of 32 with 2n/32 = ", packed.size(0), " panels");
+  TORCH_CHECK(bf16_amx() && k % 32 == 0, "bf16_linear_silu_mul: needs AMX and K a multiple of 32 (K=", k, ")");
+  at::Tensor out = at::empty({m_rows, n}, x.options());
+#if defined(ASCENDSERVE_BF16_AMX)
+  if (m_rows == 0) return out;
+  const uint32_t* x_ptr = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const uint32_t* w_ptr = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  at::BFloat16* out_ptr = out.data_ptr<at::BFloat16>();
+  const int64_t panel_stride = kpairs * kPanel;
+  const bool stream = m_rows * n * 2 >= kAmxStreamBytes && reinterpret_cast<uintptr_t>(out_ptr) % 64 == 0;
+  auto pair = [&](int64_t q, int64_t m0, int rows, int64_t, int64_t kp0, int64_t kp1, float* partial) {
+    alignas(64) float gate[kAmxRows][kPanel], up[kAmxRows][kPanel];
+    const uint32_t* xb = x_ptr + m0 * kpairs;
+    const bool last = amx_sums(rows, xb, kpairs, w_ptr + 2 * q * panel_stride, kp0, kp1, kpairs, partial, gate);
+    amx_sums(rows, xb, kpairs, w_ptr + (2 * q + 1) * panel_stride, kp0, kp1, kpairs,
+             partial ? partial + kAmxRows * kPanel : nullptr, up);
+    if (last)
+      for (int m = 0; m < rows; ++m) store_silu_mul_row(gate[m], up[m], out_ptr + (m0 + m) * n + q * kPanel, stream);
+  };
+  for_each_amx_block<2>(m_rows, k, n, n / kPanel, pair);
+#endif
+  return out;
 }
 
 at::Tensor bf16_linear_bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n,
@@ -551,7 +618,9 @@ TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("bf16_amx() -> bool", &bf16_amx);
   m.def("bf16_linear_bf16x(Tensor x, Tensor packed, int n, Tensor? bias, bool bf16_out) -> Tensor");
   m.def("bf16_linear_bf16x_dot(Tensor x, Tensor packed, int n, Tensor? bias, bool bf16_out) -> Tensor");
+  m.def("bf16_linear_silu_mul(Tensor x, Tensor packed, int n) -> Tensor");
   m.impl("bf16_linear_bf16x", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_bf16x));
+  m.impl("bf16_linear_silu_mul", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_silu_mul));
   m.impl("bf16_linear_bf16x_dot", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_bf16x_dot));
   m.impl("bf16_unpack", c10::DispatchKey::CPU, TORCH_FN(bf16_unpack));
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));

@@ -1,5 +1,6 @@
 // exp and the softmax numerators for AVX-512 (16 lanes at a time) and for AVX2 + FMA (8 lanes): the paged decode
-// attention's (paged_decode_cpu.cpp) and the prefill attention's (prefill_attention_cpu.cpp).
+// attention's (paged_decode_cpu.cpp) and the prefill attention's (prefill_attention_cpu.cpp); and SiLU-and-mul on
+// AVX-512's exp.
 #pragma once
 
 #include <algorithm>
@@ -85,6 +86,14 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// silu(g) * u = g u / (1 + exp(-g)), 16 lanes: 1 / (1 + exp(-g)) by vrcp14ps and one Newton step (within an ulp or two
+// of the division). SiLU-and-mul's (silu_and_mul_cpu.cpp) and the gate-and-up linear's fused form (bf16_linear_cpu.cpp).
+inline __m512 silu_mul512(__m512 g, __m512 u) {
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+  const __m512 r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(_mm512_mul_ps(g, u), _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f))));
 }
 
 // s[0 .. n) = exp(s - max(s)); returns the sum.
