@@ -212,8 +212,8 @@ def test_without_simd_tiles_weights_stay_fp32(kernels, monkeypatch):
 
 # -- bf16 in and out: Bf16Linear.for_bf16 (a model run in bf16) ----------------------------------------------------
 # (K, N) for AMX's blocks: K a multiple of its 32-input step (one step, SmolLM2's 18, Qwen3.5's 112 in slices of 19),
-# partial panels, and an output of 1 MiB from 256 rows on (written with non-temporal stores)
-AMX_SHAPES = [(32, 16), (576, 96), (3584, 70), (64, 2048)]
+# partial panels, and an output of 8 MiB from 256 rows on (written with non-temporal stores)
+AMX_SHAPES = [(32, 16), (576, 96), (3584, 70), (64, 16384)]
 # one and two blocks of 16 rows (one / two A tiles), a last block of each height, the row chunk
 AMX_ROWS = [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 64, 100, 256, 300]
 
@@ -249,23 +249,23 @@ def test_bf16x_kernel_reports_vdpbf16ps_as_the_cpu_has_it_and_rejects_bad_inputs
 def test_amx_is_used_as_the_cpu_has_it_and_a_row_sums_alike_in_any_batch_with_a_bf16_dot(kernels):
     flags = cpu_flags()
     assert kernels.bf16_amx() == ({"amx_bf16", "amx_tile", "avx512_bf16"} <= flags)  # built with -march=native
-    # 1024 inputs: AMX's blocks of more than 32 rows take them in two slices, and 256 rows or more of 2048 fp32 outputs
+    # 1024 inputs: AMX's blocks of more than 32 rows take them in two slices, and 256 rows or more of 8192 fp32 outputs
     # are written with non-temporal stores; one block takes all 1024 inputs at once and stores through the caches
-    layer = _bf16_valued_linear(1024, 2048, False)
+    layer = _bf16_valued_linear(1024, 8192, False)
     packed = pack_bf16(layer.weight.detach())
     x = torch.randn(300, 1024).bfloat16()
-    whole = kernels.bf16_linear_bf16x(x, packed, 2048, None, False)
+    whole = kernels.bf16_linear_bf16x(x, packed, 8192, None, False)
     for rows in (1, 7, 8, 33, 256):
-        part = kernels.bf16_linear_bf16x(x[:rows], packed, 2048, None, False)
+        part = kernels.bf16_linear_bf16x(x[:rows], packed, 8192, None, False)
         if kernels.bf16_dot():
             # every batch size on the same tiles: a row's sums are the same bits alone, in a small batch or a large one
             assert torch.equal(part, whole[:rows]), rows
         else:
             # no AVX512-BF16: x widened to fp32 on the fp32-x kernel, whose tiles for 1-6 and 7-12 rows sum in
             # different orders (so no batch invariance there), each exactly bf16_linear's
-            assert torch.equal(part, kernels.bf16_linear(x[:rows].float(), packed, 2048, None)), rows
+            assert torch.equal(part, kernels.bf16_linear(x[:rows].float(), packed, 8192, None)), rows
     if kernels.bf16_amx():  # AMX sums in another order than the vdpbf16ps tile (the last bits differ)
-        assert not torch.equal(kernels.bf16_linear_bf16x_dot(x, packed, 2048, None, False), whole)
+        assert not torch.equal(kernels.bf16_linear_bf16x_dot(x, packed, 8192, None, False), whole)
 
 
 class _Bf16LM(nn.Module):
@@ -311,9 +311,9 @@ def test_prepack_gives_bf16_layers_the_kernel_for_every_batch(kernels, caplog):
 
 
 # (rows, K, I) for the fused gate-and-up layer: one and two A tiles, last blocks of each height, K in one, two and
-# several slices (the demo's 576, Qwen3.5's 1024, 3584), and outputs of 1 MiB or more (non-temporal stores)
+# several slices (the demo's 576, Qwen3.5's 1024, 3584), and outputs of 8 MiB or more (non-temporal stores)
 GATE_UP_CASES = [(1, 576, 1536), (5, 64, 32), (17, 576, 96), (33, 1024, 3584), (64, 576, 1536), (300, 3584, 64),
-                 (256, 1024, 2048), (1100, 576, 512)]
+                 (1200, 576, 3584), (1100, 576, 512)]
 
 
 @pytest.mark.parametrize("rows,k,i", GATE_UP_CASES)

@@ -375,7 +375,7 @@ inline void store_silu_mul_row(const float* gate, const float* up, at::BFloat16*
 }
 
 constexpr int64_t kAmxSliceInputs = 640;     // at most this many inputs per panel slice (40 KiB: L1 is 48)
-constexpr int64_t kAmxStreamBytes = 1 << 20;  // outputs from this size on are written with non-temporal stores
+constexpr int64_t kAmxStreamBytes = 8 << 20;  // outputs from this size on are written with non-temporal stores
 
 // tile(p, m0, rows, cols, kp0, kp1, partial) over every unit of kPanelsPerUnit panels (one; two for the fused gate and
 // up), 32-row block and slice of input pairs: threads split the units; each walks its units once per chunk of rows
@@ -469,9 +469,11 @@ at::Tensor bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n, const
   auto run = [&](auto* out_ptr) {
 #if defined(ASCENDSERVE_BF16_AMX)
     if (use_amx && k % kAmxK == 0 && amx_permitted()) {
-      // An output of 1 MiB or more leaves L2 anyway; written through the caches it would also read every line first
-      // and push the x chunk and the panel slices out of L2 (2048 rows, 2 threads: 1024 inputs x 7168 outputs 15.6
-      // -> 10.3-10.7 ms, 576 x 3072 3.0 -> 2.5-2.6 ms; oneDNN's F.linear 11.2-12.3 and 2.7-2.9 ms).
+      // An output of 8 MiB or more goes to memory anyway; written through the caches it would also read every line
+      // first and push the x chunk and the panel slices out of L2 (2048 rows, 2 threads: 1024 inputs x 7168 outputs
+      // 15.6 -> 10.3-10.7 ms, 576 x 3072 3.0 -> 2.5-2.6 ms; oneDNN's F.linear 11.2-12.3 and 2.7-2.9 ms). Smaller ones
+      // stay in cache for the next op: from 1 MiB on, the demo's 8 x 256 prefill (outputs of 2.4-6.3 MB) took
+      // 0.37-0.40 s in-process, from 8 MiB on 0.34-0.35 s (Qwen3.5's level).
       const int64_t row_bytes = n * static_cast<int64_t>(sizeof(*out_ptr));
       const bool stream = m_rows * row_bytes >= kAmxStreamBytes && row_bytes % 64 == 0 &&
                           reinterpret_cast<uintptr_t>(out_ptr) % 64 == 0;
