@@ -322,8 +322,8 @@ bool amx_sums(int rows, const uint32_t* x, int64_t ldx, const uint32_t* panel, i
   return kp1 == kpairs;
 }
 
-// out[m][0 .. cols) = sums[m] + bias for a block's rows, rounded to bf16 where Out is. With `stream` (a whole panel's 32
-// outputs, out's rows 64-byte aligned) the rows are written with non-temporal stores, which neither read the lines
+// out[m][0 .. cols) = sums[m] + bias for a block's rows, rounded to bf16 where Out is. With `stream` (a whole panel's
+// 32 outputs, out's rows 64-byte aligned) the rows are written with non-temporal stores, which neither read the lines
 // first nor pass them through the caches: see bf16x.
 template <typename Out>
 void store_sums(const float (*sums)[kPanel], int rows, Out* out, int64_t ldo, int64_t cols, const float* bias,

@@ -89,7 +89,8 @@ inline __m512 exp512(__m512 x) {
 }
 
 // silu(g) * u = g u / (1 + exp(-g)), 16 lanes: 1 / (1 + exp(-g)) by vrcp14ps and one Newton step (within an ulp or two
-// of the division). SiLU-and-mul's (silu_and_mul_cpu.cpp) and the gate-and-up linear's fused form (bf16_linear_cpu.cpp).
+// of the division). SiLU-and-mul's (silu_and_mul_cpu.cpp) and the gate-and-up linear's fused form
+// (bf16_linear_cpu.cpp).
 inline __m512 silu_mul512(__m512 g, __m512 u) {
   const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)));
   const __m512 r = _mm512_rcp14_ps(d);
