@@ -381,9 +381,9 @@ constexpr int64_t kAmxStreamBytes = 8 << 20;  // outputs from this size on are w
 // up), 32-row block and slice of input pairs: threads split the units; each walks its units once per chunk of rows
 // (about kChunkBytes of bf16 x), and a unit's inputs in slices that stay in L1 while the chunk's blocks pass (one slice
 // where the chunk is one block: nothing to reuse). `partial` is the block's [kPanelsPerUnit][32][32] fp32 sums between
-// slices, in a per-thread buffer. 2048 rows, 2 threads (before
-// it the whole K per block, chunks of 1 MiB of fp32-sized x): 1024 inputs x 7168 outputs 17.6 -> 15.6 ms, 576 x 3072
-// 4.6 -> 3.0 ms, the same bits.
+// slices, in a per-thread buffer. 2048 rows, 2 threads (before it the whole K per block, chunks of 1 MiB of fp32-sized
+// x): 1024 inputs x 7168 outputs 17.6 -> 15.6 ms, 576 x 3072 4.6 -> 3.0 ms, the same bits. A fused unit's two slices
+// share L1: kAmxSliceInputs / kPanelsPerUnit inputs each.
 template <int kPanelsPerUnit = 1, typename Tile>
 void for_each_amx_block(int64_t m_rows, int64_t k, int64_t n, int64_t panels, const Tile& tile) {
   const int64_t rows_per_chunk = ascendserve_panel::chunk_rows(m_rows, 2 * k, kAmxRows, ascendserve_panel::kChunkBytes);
