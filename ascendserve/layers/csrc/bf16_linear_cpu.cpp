@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "bf16_convert.h"
 #include "panel_linear.h"
 #include "softmax_simd.h"
 
@@ -354,10 +355,7 @@ void store_sums(const float (*sums)[kPanel], int rows, Out* out, int64_t ldo, in
 }
 
 // fp32 sums as the bf16 values a rounding store would leave (to nearest even), widened back.
-inline __m512 bf16_rounded(__m512 v) {
-  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+inline __m512 bf16_rounded(__m512 v) { return ascendserve_bf16::widen16((__m256i)_mm512_cvtneps_pbh(v)); }
 
 // out[0 .. 32) = silu(g) * u for one row of gate and up sums, each first rounded to bf16 as the unfused layer's output
 // is, then silu_mul512 (silu_and_mul's arithmetic) rounded once: the unfused pair's bits.
@@ -376,6 +374,16 @@ inline void store_silu_mul_row(const float* gate, const float* up, at::BFloat16*
 
 constexpr int64_t kAmxSliceInputs = 640;     // at most this many inputs per panel slice (40 KiB: L1 is 48)
 constexpr int64_t kAmxStreamBytes = 8 << 20;  // outputs from this size on are written with non-temporal stores
+
+// Whether m_rows output rows of row_bytes at out are written with non-temporal stores (from kAmxStreamBytes on, rows
+// and out 64-byte aligned). An output of 8 MiB or more goes to memory anyway; written through the caches it would
+// also read every line first and push the x chunk and the panel slices out of L2 (2048 rows, 2 threads: 1024 inputs x
+// 7168 outputs 15.6 -> 10.3-10.7 ms, 576 x 3072 3.0 -> 2.5-2.6 ms; oneDNN's F.linear 11.2-12.3 and 2.7-2.9 ms).
+// Smaller ones stay in cache for the next op: from 1 MiB on, the demo's 8 x 256 prefill (outputs of 2.4-6.3 MB) took
+// 0.37-0.40 s in-process, from 8 MiB on 0.34-0.35 s (Qwen3.5's level).
+inline bool streamed(int64_t m_rows, int64_t row_bytes, const void* out) {
+  return m_rows * row_bytes >= kAmxStreamBytes && row_bytes % 64 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+}
 
 // tile(p, m0, rows, cols, kp0, kp1, partial) over every unit of kPanelsPerUnit panels (one; two for the fused gate and
 // up), 32-row block and slice of input pairs: threads split the units; each walks its units once per chunk of rows
@@ -439,6 +447,17 @@ bool bf16_amx() {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                   bool portable);
 
+// Checks that packed is pack_bf16's layout ([panels, K/2, 32, 2] bf16; `layout` names it in the message).
+void check_pack(const at::Tensor& packed, const char* op, const char* layout) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+              packed.size(2) == kPanel && packed.size(3) == 2, op, ": packed must be ", layout, " bf16");
+}
+
+// Checks that x [M, K] has the K columns of the pack's K/2 input pairs.
+void check_columns(const at::Tensor& x, const at::Tensor& packed, const char* op) {
+  TORCH_CHECK(x.size(1) == 2 * packed.size(1), op, ": x has ", x.size(1), " columns, the weight ", 2 * packed.size(1));
+}
+
 // y = x @ W.T + b for bf16 x [M, K] (bias fp32), the fp32 sums rounded to bf16 where bf16_out, else returned as
 // they are: bf16_dot()'s tile, else x widened to fp32 (exact) through bf16_linear's tiles.
 at::Tensor bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
@@ -446,11 +465,9 @@ at::Tensor bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n, const
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "bf16_linear_bf16x: x must be a contiguous bf16 [M, K] tensor");
 #if defined(ASCENDSERVE_BF16_DOT)
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-              packed.size(2) == kPanel && packed.size(3) == 2,
-              "bf16_linear_bf16x: packed must be [N/32, K/2, 32, 2] bf16");
+  check_pack(packed, "bf16_linear_bf16x", "[N/32, K/2, 32, 2]");
+  check_columns(x, packed, "bf16_linear_bf16x");
   const int64_t m_rows = x.size(0), k = x.size(1), panels = packed.size(0), kpairs = packed.size(1);
-  TORCH_CHECK(k == 2 * kpairs, "bf16_linear_bf16x: x has ", k, " columns, the weight ", 2 * kpairs);
   ascendserve_panel::check_outputs(n, panels, kPanel, "bf16_linear_bf16x");
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "bf16_linear_bf16x");
   at::Tensor out = at::empty({m_rows, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
@@ -469,14 +486,7 @@ at::Tensor bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n, const
   auto run = [&](auto* out_ptr) {
 #if defined(ASCENDSERVE_BF16_AMX)
     if (use_amx && k % kAmxK == 0 && amx_permitted()) {
-      // An output of 8 MiB or more goes to memory anyway; written through the caches it would also read every line
-      // first and push the x chunk and the panel slices out of L2 (2048 rows, 2 threads: 1024 inputs x 7168 outputs
-      // 15.6 -> 10.3-10.7 ms, 576 x 3072 3.0 -> 2.5-2.6 ms; oneDNN's F.linear 11.2-12.3 and 2.7-2.9 ms). Smaller ones
-      // stay in cache for the next op: from 1 MiB on, the demo's 8 x 256 prefill (outputs of 2.4-6.3 MB) took
-      // 0.37-0.40 s in-process, from 8 MiB on 0.34-0.35 s (Qwen3.5's level).
-      const int64_t row_bytes = n * static_cast<int64_t>(sizeof(*out_ptr));
-      const bool stream = m_rows * row_bytes >= kAmxStreamBytes && row_bytes % 64 == 0 &&
-                          reinterpret_cast<uintptr_t>(out_ptr) % 64 == 0;
+      const bool stream = streamed(m_rows, n * static_cast<int64_t>(sizeof(*out_ptr)), out_ptr);
       auto amx_block = [&](int64_t p, int64_t m0, int rows, int64_t cols, int64_t kp0, int64_t kp1, float* partial) {
         alignas(64) float sums[kAmxRows][kPanel];
         if (amx_sums(rows, x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kp0, kp1, kpairs, partial, sums))
@@ -506,11 +516,9 @@ at::Tensor bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n, const
 at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "bf16_linear_silu_mul: x must be a contiguous bf16 [M, K] tensor");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-              packed.size(2) == kPanel && packed.size(3) == 2,
-              "bf16_linear_silu_mul: packed must be [2n/32, K/2, 32, 2] bf16");
+  check_pack(packed, "bf16_linear_silu_mul", "[2n/32, K/2, 32, 2]");
+  check_columns(x, packed, "bf16_linear_silu_mul");
   const int64_t m_rows = x.size(0), k = x.size(1), kpairs = packed.size(1);
-  TORCH_CHECK(k == 2 * kpairs, "bf16_linear_silu_mul: x has ", k, " columns, the weight ", 2 * kpairs);
   TORCH_CHECK(n > 0 && n % kPanel == 0 && packed.size(0) == 2 * n / kPanel, "bf16_linear_silu_mul: n=", n,
               " must be a multiple of 32 with 2n/32 = ", packed.size(0), " panels");
   TORCH_CHECK(bf16_amx() && k % 32 == 0, "bf16_linear_silu_mul: needs AMX and K a multiple of 32 (K=", k, ")");
@@ -521,7 +529,7 @@ at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   const uint32_t* w_ptr = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   at::BFloat16* out_ptr = out.data_ptr<at::BFloat16>();
   const int64_t panel_stride = kpairs * kPanel;
-  const bool stream = m_rows * n * 2 >= kAmxStreamBytes && reinterpret_cast<uintptr_t>(out_ptr) % 64 == 0;
+  const bool stream = streamed(m_rows, n * 2, out_ptr);
   auto pair = [&](int64_t q, int64_t m0, int rows, int64_t, int64_t kp0, int64_t kp1, float* partial) {
     alignas(64) float gate[kAmxRows][kPanel], up[kAmxRows][kPanel];
     const uint32_t* xb = x_ptr + m0 * kpairs;
@@ -551,10 +559,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
                   bool portable) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "bf16_linear: x must be a contiguous fp32 [M, K] tensor");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-              packed.size(2) == kPanel && packed.size(3) == 2, "bf16_linear: packed must be [N/32, K/2, 32, 2] bf16");
+  check_pack(packed, "bf16_linear", "[N/32, K/2, 32, 2]");
+  check_columns(x, packed, "bf16_linear");
   const int64_t m_rows = x.size(0), k = x.size(1), panels = packed.size(0), kpairs = packed.size(1);
-  TORCH_CHECK(k == 2 * kpairs, "bf16_linear: x has ", k, " columns, the weight ", 2 * kpairs);
   ascendserve_panel::check_outputs(n, panels, kPanel, "bf16_linear");
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "bf16_linear");
   at::Tensor out = at::empty({m_rows, n}, x.options());
@@ -583,8 +590,7 @@ at::Tensor bf16_linear_portable(const at::Tensor& x, const at::Tensor& packed, i
 // The dense fp32 [N, K] weight back from the pack: prefill-sized batches multiply by it with MKL,
 // which is faster there than the tile above once the product is compute-bound.
 at::Tensor bf16_unpack(const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-              packed.size(2) == kPanel && packed.size(3) == 2, "bf16_unpack: packed must be [N/32, K/2, 32, 2] bf16");
+  check_pack(packed, "bf16_unpack", "[N/32, K/2, 32, 2]");
   const int64_t panels = packed.size(0), kpairs = packed.size(1), k = 2 * kpairs;
   ascendserve_panel::check_outputs(n, panels, kPanel, "bf16_unpack");
   at::Tensor out = at::empty({n, k}, packed.options().dtype(at::kFloat));

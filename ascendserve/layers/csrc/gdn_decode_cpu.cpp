@@ -181,8 +181,7 @@ void delta_rule_head(S* s, int64_t dk, int64_t dv, const float* q, const float* 
 // 16 bf16 values widened to fp32 (exact), and 16 fp32 values rounded to bf16 to nearest even (as from_float does;
 // vcvtneps2bf16 where the CPU has AVX512-BF16).
 inline __m512 load_bf16x16(const at::BFloat16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  return ascendserve_bf16::widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 inline void store_bf16x16(at::BFloat16* p, __m512 v) {

@@ -37,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_convert.h"
 #include "softmax_simd.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -96,8 +97,7 @@ using ascendserve_simd::softmax_numerators_avx512;
 // 16 cache values as fp32: as they are, or bf16 / fp16 widened (exact).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return ascendserve_bf16::widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

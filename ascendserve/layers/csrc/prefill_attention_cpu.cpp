@@ -342,7 +342,7 @@ inline void split_probabilities(const float* e, int64_t n, float inv, uint16_t* 
     const __mmask16 m = n - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
     const __m512 prob = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, e + t), f);
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(prob);
-    const __m512 h_value = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    const __m512 h_value = ascendserve_bf16::widen16(h);
     const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(prob, h_value));
     _mm256_mask_storeu_epi16(hi + t, m, h);
     _mm256_mask_storeu_epi16(lo + t, m, l);

@@ -25,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_convert.h"
 #include "panel_linear.h"
 
 namespace {
@@ -685,7 +686,7 @@ std::vector<float> block_sums_bf16(const at::BFloat16* x, int64_t m_rows, int64_
       __m512 lanes = _mm512_setzero_ps();  // 16 partial sums, then added up (a torch sum's dispatch costs more)
       for (; j + 16 <= group; j += 16) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
-        lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+        lanes = _mm512_add_ps(lanes, ascendserve_bf16::widen16(raw));
       }
       float sum = _mm512_reduce_add_ps(lanes);
       for (; j < group; ++j) sum += static_cast<float>(src[j]);

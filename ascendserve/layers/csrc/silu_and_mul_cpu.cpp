@@ -53,7 +53,7 @@ void silu_and_mul_rows(const float* x, int64_t x_stride, int64_t rows, int64_t n
 void silu_and_mul_rows(const at::BFloat16* x, int64_t x_stride, int64_t rows, int64_t n, at::BFloat16* out) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   auto widen = [](__mmask16 m, const at::BFloat16* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    return ascendserve_bf16::widen16(_mm256_maskz_loadu_epi16(m, p));
   };
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -65,8 +65,7 @@ void silu_and_mul_rows(const at::BFloat16* x, int64_t x_stride, int64_t rows, in
       }
     }
   });
-  return;
-#endif
+#else
   constexpr int64_t kRun = 512;
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
     float gate[kRun], up[kRun], o[kRun];
@@ -82,6 +81,7 @@ void silu_and_mul_rows(const at::BFloat16* x, int64_t x_stride, int64_t rows, in
       }
     }
   });
+#endif
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
