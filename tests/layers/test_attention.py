@@ -353,6 +353,18 @@ def test_bf16_prefill_kernel_is_the_fp32_kernel_rounded_once(count, tq, prefix, 
     assert same > (0.97 if head_dim % 32 == 0 else 1.0 - 1e-9), same  # head_dim 48: the fp32 loops, exactly
 
 
+def test_bf16_prefill_beyond_the_amx_head_dim_is_the_fp32_kernel_rounded_once(kernels):
+    # head_dim 544 (a multiple of 32, but more than the AMX path's 512: its key rows are staged in a 256-pair buffer)
+    # takes the portable loops: exactly the fp32 kernel rounded.
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(3, 2 * 19, 2, 544, generator=gen).bfloat16()
+    out = torch.empty_like(q)
+    kernels.prefill_attention(out, q, k, v, 2, 0.05)
+    wide_out = torch.empty(out.shape)
+    kernels.prefill_attention(wide_out, q.float(), k.float(), v.float(), 2, 0.05)
+    assert torch.equal(out, wide_out.bfloat16())
+
+
 @pytest.mark.parametrize("head_dim", [24, 64])
 def test_bf16_prefill_takes_the_kernel_in_bf16(head_dim, kernels, monkeypatch):
     # A model run in bf16: the kernel on the bf16 values, the output rounded once (SDPA where head_dim rules it out).

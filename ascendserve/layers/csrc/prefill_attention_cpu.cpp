@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -217,15 +218,19 @@ void pack_then_attend(int64_t pairs, int64_t tq, const Pack& pack, const Worker&
 #if defined(ASCENDSERVE_PREFILL_AMX)
 // bf16 on AMX (head_dim a multiple of 32): tdpbf16ps multiplies a 16 x 32 bf16 A tile by a 32 x 16 B tile of value
 // pairs into 16 x 16 fp32 sums (exact products, fp32 sums). Per work item and 16 queries of a query head:
-//   S = Q K^T on the tiles (Q's bf16 values as they are: the products the fp32 arithmetic gives), scaled in fp32;
-//   each row's softmax over its causal prefix in fp32;
-//   O = P V with P split into bf16 high and low parts, P_hi = bf16(P), P_lo = bf16(P - P_hi), two tile products into
-//   one fp32 sum: P_hi + P_lo is P to within 2^-16 of it, below the output's own bf16 rounding (SDPA's bf16 path
+//   S = Q K^T on the tiles (Q's bf16 values as they are: the products the fp32 arithmetic gives);
+//   each row's softmax numerators over its causal prefix in fp32, E = exp(scale (S - max S)), and their sum;
+//   O = E V with E split into bf16 high and low parts, E_hi = bf16(E), E_lo = bf16(E - E_hi), two tile products into
+//   one fp32 sum: E_hi + E_lo is E to within 2^-16 of it, below the output's own bf16 rounding (SDPA's bf16 path
 //   rounds P to bf16 once, 2^-8, which cost the demo's greedy "Paris");
-//   the output rounded to bf16 once.
+//   the output row times 1 / sum, rounded to bf16 once.
 // Tiles (all 16 rows x 64 bytes): 0, 4, 5, 6 the sums of up to four panels (independent chains: one accumulator's
-// tdpbf16ps waits for the one before), 1 and 3 the A operands (Q, or P_hi and P_lo), 2 and 7 the B operands. With one
-// accumulator the demo's 8 x 256 prefill attention took 3.35 ms a layer.
+// tdpbf16ps waits for the one before), 1 and 3 the A operands (Q, or E_hi and E_lo), 2 and 7 the B operands. With one
+// accumulator the demo's 8 x 256 prefill attention took 3.35 ms a layer. Packing K and V with 32-bit moves and one
+// permute per V row pair, the exponentials and their split in one pass (exp_split) and the output scaled and rounded
+// 16 values at a time (the scale, split and rounding had been separate scalar passes over each row): the same
+// 8 x 256 (9 / 3 heads of 64) 2.78-3.01 -> 1.90-2.05 ms a call, Qwen3.5's (8 / 2 heads of 256) 5.56-6.29 -> 3.69-4.61
+// ms (alternated builds, 2-core Xeon, /tmp microbenchmark of the op).
 constexpr int64_t kAmxTile = 16;  // a tile's rows and outputs
 constexpr int kAmxSums = 4;       // accumulator tiles
 
@@ -236,24 +241,39 @@ int64_t amx_k_size(int64_t tk, int64_t d) { return (tk + 15) / 16 * (d / 32) * 5
 int64_t amx_v_size(int64_t tk, int64_t d) { return (tk + 31) / 32 * (d / 16) * 512; }
 
 void pack_kv_amx(const Problem<at::BFloat16>& pr, int64_t seq, int64_t h, uint16_t* kb, uint16_t* vb) {
-  const int64_t d = pr.head_dim, chunks = d / 32, dpanels = d / 16;
+  const int64_t d = pr.head_dim, chunks = d / 32, dpanels = d / 16, pairs = d / 2;
   const at::BFloat16* k_seq = pr.k.data + seq * pr.tk * pr.k.row_stride + h * d;
   const at::BFloat16* v_seq = pr.v.data + seq * pr.tk * pr.v.row_stride + h * d;
-  std::fill(kb, kb + amx_k_size(pr.tk, d), uint16_t{0});
-  std::fill(vb, vb + amx_v_size(pr.tk, d), uint16_t{0});
+  // Only the last panel / chunk can hold positions past tk: zero those before the keys go in.
+  const int64_t k_tail = pr.tk / 16 * chunks * 512, v_tail = pr.tk / 32 * dpanels * 512;
+  std::fill(kb + k_tail, kb + amx_k_size(pr.tk, d), uint16_t{0});
+  std::fill(vb + v_tail, vb + amx_v_size(pr.tk, d), uint16_t{0});
+  // K: a key's dims as 32-bit pairs; pair x2 = 16c + i goes to row i of chunk c's tile, column 16p + n's pair.
+  uint32_t* k32 = reinterpret_cast<uint32_t*>(kb);
   for (int64_t t = 0; t < pr.tk; ++t) {
-    const at::BFloat16* kr = k_seq + t * pr.k.row_stride;
-    const int64_t p = t / 16, n = t % 16;
-    for (int64_t x = 0; x < d; ++x)  // dim x = 32c + 2i + e
-      kb[(p * chunks + x / 32) * 512 + (x % 32 / 2) * 32 + 2 * n + x % 2] = kr[x].x;
-    const at::BFloat16* vr = v_seq + t * pr.v.row_stride;
-    const int64_t kc = t / 32, i = t % 32 / 2, e = t % 2;
-    for (int64_t x = 0; x < d; ++x)  // dim x = 16dp + n
-      vb[(kc * dpanels + x / 16) * 512 + i * 32 + 2 * (x % 16) + e] = vr[x].x;
+    uint32_t kr[256];  // d / 2 pairs (head_dim <= 512), read whole: the row may sit at any 2-byte offset
+    std::memcpy(kr, k_seq + t * pr.k.row_stride, d * 2);
+    uint32_t* dst = k32 + t / 16 * chunks * 256 + t % 16;
+    for (int64_t x2 = 0; x2 < pairs; ++x2) dst[x2 / 16 * 256 + x2 % 16 * 16] = kr[x2];
+  }
+  // V: keys 2i and 2i + 1 of a chunk interleaved dim by dim, 16 dims (one panel) per 64-byte row.
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t t = 0; t < pr.tk; t += 2) {
+    const at::BFloat16* even = v_seq + t * pr.v.row_stride;
+    const at::BFloat16* odd = t + 1 < pr.tk ? even + pr.v.row_stride : nullptr;
+    uint16_t* dst = vb + t / 32 * dpanels * 512 + t % 32 / 2 * 32;
+    for (int64_t dp = 0; dp < dpanels; ++dp) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + 16 * dp));
+      const __m256i b = odd ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + 16 * dp))
+                            : _mm256_setzero_si256();
+      const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      _mm512_storeu_si512(dst + dp * 512, _mm512_permutexvar_epi16(interleave, ab));
+    }
   }
 }
 
-// Per-thread scratch: a work item's 16 queries [16][d], their scores [16][lds] and P's two parts [16][lds] (lds: the
+// Per-thread scratch: a work item's 16 queries [16][d], their scores [16][lds] and E's two parts [16][lds] (lds: the
 // keys rounded up to P V's 32), four tiles of output sums [16][64].
 struct AmxScratch {
   int64_t lds;
@@ -297,7 +317,7 @@ inline void qk_panels(const uint16_t* q, int64_t d, const uint16_t* kb, int64_t 
   if constexpr (N > 3) _tile_stored(6, s + 16 * (p0 + 3), lds * 4);
 }
 
-// o [16][64] fp32 = (P_hi + P_lo) V for the N <= 4 dim panels from dp0 over key_chunks chunks of 32 keys: hi / lo
+// o [16][64] fp32 = (E_hi + E_lo) V for the N <= 4 dim panels from dp0 over key_chunks chunks of 32 keys: hi / lo
 // [16][lds] bf16, vb as pack_kv_amx lays it out.
 template <int N>
 inline void pv_panels(const uint16_t* hi, const uint16_t* lo, int64_t lds, const uint16_t* vb, int64_t dpanels,
@@ -335,18 +355,35 @@ inline void pv_panels(const uint16_t* hi, const uint16_t* lo, int64_t lds, const
   if constexpr (N > 3) _tile_stored(6, o + 48, 256);
 }
 
-// hi[t] = bf16(P), lo[t] = bf16(P - hi[t]) for P = e[t] * inv, t < n (both rounded to nearest even).
-inline void split_probabilities(const float* e, int64_t n, float inv, uint16_t* hi, uint16_t* lo) {
-  const __m512 f = _mm512_set1_ps(inv);
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 m = n - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
-    const __m512 prob = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, e + t), f);
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(prob);
-    const __m512 h_value = ascendserve_bf16::widen16(h);
-    const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(prob, h_value));
-    _mm256_mask_storeu_epi16(hi + t, m, h);
-    _mm256_mask_storeu_epi16(lo + t, m, l);
+// e[t] = exp(scale (s[t] - max s)) for t < n, split into hi[t] = bf16(e[t]) and lo[t] = bf16(e[t] - hi[t]) (both
+// rounded to nearest even), zero from n to `width` (a multiple of 16); returns the sum of the fp32 e[t]. One pass for
+// the exponentials and their split (the softmax's 1 / sum scales the output rows instead of P).
+inline float exp_split(const float* s, int64_t n, int64_t width, float scale, uint16_t* hi, uint16_t* lo) {
+  const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());  // not -inf: built with -ffast-math
+  auto lanes = [n](int64_t t) {  // the lanes of [t, t + 16) below n, for t < n
+    return n - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
+  };
+  __m512 vmax = lowest;
+  for (int64_t t = 0; t < n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(lowest, lanes(t), s + t));
+  const __m512 f = _mm512_set1_ps(scale);
+  const __m512 shift = _mm512_set1_ps(-scale * _mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t < n; t += 16) {
+    const __mmask16 m = lanes(t);
+    const __m512 e = _mm512_maskz_mov_ps(m, ascendserve_simd::exp512(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, s + t),
+                                                                                     f, shift)));
+    vsum = _mm512_add_ps(vsum, e);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + t), h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + t),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, ascendserve_bf16::widen16(h))));
   }
+  for (; t < width; t += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + t), _mm256_setzero_si256());
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + t), _mm256_setzero_si256());
+  }
+  return _mm512_reduce_add_ps(vsum);
 }
 
 // One work item on AMX: sequence seq, kv head h, queries q0 .. q0 + rows - 1, 16 at a time per query head.
@@ -362,8 +399,7 @@ void attend_block_amx(const Problem<at::BFloat16>& pr, int64_t q0, int64_t rows,
       for (int64_t m = 0; m < kAmxTile; ++m) {  // the 16 queries' rows, zero past the block
         uint16_t* dst = sc.q.data() + m * d;
         if (m < n) {
-          const at::BFloat16* src = pr.q.data + (seq * pr.tq + q0 + r0 + m) * pr.q.row_stride + head * d;
-          for (int64_t x = 0; x < d; ++x) dst[x] = src[x].x;
+          std::memcpy(dst, pr.q.data + (seq * pr.tq + q0 + r0 + m) * pr.q.row_stride + head * d, d * 2);
         } else {
           std::fill(dst, dst + d, uint16_t{0});
         }
@@ -377,17 +413,12 @@ void attend_block_amx(const Problem<at::BFloat16>& pr, int64_t q0, int64_t rows,
           default: qk_panels<4>(sc.q.data(), d, kb, p0, s, lds); break;
         }
       }
+      float inv[kAmxTile];  // 1 / each row's softmax sum, applied to its output
       for (int64_t m = 0; m < kAmxTile; ++m) {
         const int64_t seen = m < n ? offset + q0 + r0 + m + 1 : 0;
-        float* row = sc.scores.data() + m * lds;
-        uint16_t* hi = sc.p_hi.data() + m * lds;
-        uint16_t* lo = sc.p_lo.data() + m * lds;
-        if (seen) {
-          for (int64_t t = 0; t < seen; ++t) row[t] *= pr.scale;
-          split_probabilities(row, seen, 1.f / softmax_numerators(row, seen), hi, lo);
-        }
-        std::fill(hi + seen, hi + key_chunks * 32, uint16_t{0});
-        std::fill(lo + seen, lo + key_chunks * 32, uint16_t{0});
+        const float sum = exp_split(sc.scores.data() + m * lds, seen, key_chunks * 32, pr.scale,
+                                    sc.p_hi.data() + m * lds, sc.p_lo.data() + m * lds);
+        inv[m] = seen ? 1.f / sum : 0.f;
       }
       for (int64_t dp0 = 0; dp0 < dpanels; dp0 += kAmxSums) {
         const int64_t np = std::min<int64_t>(kAmxSums, dpanels - dp0);
@@ -401,7 +432,10 @@ void attend_block_amx(const Problem<at::BFloat16>& pr, int64_t q0, int64_t rows,
         }
         for (int64_t m = 0; m < n; ++m) {
           at::BFloat16* dst = pr.out + (seq * pr.tq + q0 + r0 + m) * pr.out_stride + head * d + 16 * dp0;
-          for (int64_t j = 0; j < 16 * np; ++j) dst[j] = from_float<at::BFloat16>(o[m * 64 + j]);
+          const __m512 f = _mm512_set1_ps(inv[m]);
+          for (int64_t j = 0; j < np; ++j)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * j),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + m * 64 + 16 * j), f)));
         }
       }
     }
@@ -472,7 +506,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(tk >= tq, "prefill_attention: fewer keys (", tk, ") than queries (", tq, ") per sequence");
   if (tq == 0) return;
 #if defined(ASCENDSERVE_PREFILL_AMX)
-  if (dtype == at::kBFloat16 && d % 32 == 0 && prefill_attention_amx())
+  if (dtype == at::kBFloat16 && d % 32 == 0 && d <= 512 && prefill_attention_amx())
     return run_amx(make_problem<at::BFloat16>(out, q, k, v, count, scale), count);
 #endif
   if (dtype == at::kBFloat16)
