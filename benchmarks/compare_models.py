@@ -64,10 +64,22 @@ def prepare_qwen35(work: WorkDir, llama_venv: Path | None) -> Model:
     if not (out / "config.json").exists():
         print(f"Building the random Qwen3.5-0.8B-shaped model in {out}", flush=True)
         _random_qwen35(out)
+    _declare_state_dtype(out)
     model = Model("qwen35", "Qwen3.5-0.8B shape, random weights (bf16 safetensors)", out, out, hybrid=True)
     if llama_venv is not None:
         model.ggufs = _qwen35_ggufs(work, llama_venv, out)
     return model
+
+
+def _declare_state_dtype(out: Path) -> None:
+    """A directory built before the shape declared `mamba_ssm_dtype` (BENCHMARKS.md runs up to 88) gets it added, so
+    that every engine keeps the recurrent state in the dtype the real checkpoints ask for (fp32)."""
+    from qwen3_5_speed import QWEN3_5_08B
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("mamba_ssm_dtype") != QWEN3_5_08B["mamba_ssm_dtype"]:
+        config["mamba_ssm_dtype"] = QWEN3_5_08B["mamba_ssm_dtype"]
+        path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _random_qwen35(out: Path) -> None:

@@ -21,6 +21,9 @@ QWEN3_5_08B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, 
                    linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
                    linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6,
                    max_position_embeddings=262144, tie_word_embeddings=True,
+                   # as the real checkpoints declare it: vLLM keeps the recurrent state in fp32 only where the config
+                   # says so (its "auto" is the model dtype otherwise), ascendserve in fp32 either way
+                   mamba_ssm_dtype="float32",
                    rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
                                     "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 

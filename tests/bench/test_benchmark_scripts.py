@@ -27,7 +27,7 @@ def _module(name: str):
     return module
 
 
-@pytest.mark.parametrize("script", ["compare_cpu", "compare_models", "compare_report"])
+@pytest.mark.parametrize("script", ["compare_cpu", "compare_models", "compare_report", "inprocess_refs"])
 def test_compare_cpu_uses_only_names_peers_defines(script):
     peers = _module("peers")
     tree = ast.parse((BENCHMARKS / f"{script}.py").read_text())
@@ -159,3 +159,25 @@ def test_a_failed_configuration_merges_to_its_error():
     assert merged["levels"][8]["error"] == "boom 1" and merged["levels"][8]["rounds"] == [None, None]
     with pytest.raises(SystemExit, match="--rounds must be >= 1"):
         compare_cpu.parse_args(["--rounds", "0"])
+
+
+def test_in_process_references_share_one_set_of_prompts_of_exact_length():
+    refs = _module("inprocess_refs")
+    ast.parse(refs.RUNNER)  # the code each engine's interpreter runs
+    batches = refs.prompt_batches([1, 8], 256, 49152, seed=3)
+    assert sorted(batches) == [1, 8] and [len(batches[8]), len(batches[1])] == [8, 1]
+    assert all(len(p) == 256 and all(100 <= t < 49152 - 100 for t in p) for b in batches.values() for p in b)
+    assert batches == refs.prompt_batches([1, 8], 256, 49152, seed=3)
+
+
+def test_an_older_qwen35_directory_gets_the_fp32_state_declared(tmp_path, monkeypatch):
+    # Runs up to 88 built the shape without mamba_ssm_dtype, so vLLM kept its recurrent state in bf16 (its "auto")
+    # while the real checkpoints, and ascendserve, keep fp32.
+    import json
+    models = _module("compare_models")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports qwen3_5_speed when called, as compare_cpu.py runs it
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text", "hidden_size": 1024}))
+    models._declare_state_dtype(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config == {"model_type": "qwen3_5_text", "hidden_size": 1024, "mamba_ssm_dtype": "float32"}
+    assert _module("qwen3_5_speed").QWEN3_5_08B["mamba_ssm_dtype"] == "float32"
