@@ -125,6 +125,8 @@ def main() -> None:
     work = WorkDir(Path(ns.work_dir).expanduser())
     levels = [int(c) for c in ns.concurrency.split(",")]
     engines = ns.engines.split(",")
+    if unknown := [e for e in engines if e not in ENGINES]:
+        p.error(f"--engines: unknown {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
     demo = prepare_demo(work)
     vocab = json.loads((demo.hf_dir / "config.json").read_text())["vocab_size"]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
