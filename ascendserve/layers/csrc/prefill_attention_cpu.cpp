@@ -359,18 +359,12 @@ inline void pv_panels(const uint16_t* hi, const uint16_t* lo, int64_t lds, const
 // rounded to nearest even), zero from n to `width` (a multiple of 16); returns the sum of the fp32 e[t]. One pass for
 // the exponentials and their split (the softmax's 1 / sum scales the output rows instead of P).
 inline float exp_split(const float* s, int64_t n, int64_t width, float scale, uint16_t* hi, uint16_t* lo) {
-  const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());  // not -inf: built with -ffast-math
-  auto lanes = [n](int64_t t) {  // the lanes of [t, t + 16) below n, for t < n
-    return n - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
-  };
-  __m512 vmax = lowest;
-  for (int64_t t = 0; t < n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(lowest, lanes(t), s + t));
   const __m512 f = _mm512_set1_ps(scale);
-  const __m512 shift = _mm512_set1_ps(-scale * _mm512_reduce_max_ps(vmax));
+  const __m512 shift = _mm512_set1_ps(n > 0 ? -scale * ascendserve_simd::max512(s, n) : 0.f);
   __m512 vsum = _mm512_setzero_ps();
   int64_t t = 0;
   for (; t < n; t += 16) {
-    const __mmask16 m = lanes(t);
+    const __mmask16 m = ascendserve_simd::lanes_below(n, t);
     const __m512 e = _mm512_maskz_mov_ps(m, ascendserve_simd::exp512(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, s + t),
                                                                                      f, shift)));
     vsum = _mm512_add_ps(vsum, e);

@@ -20,16 +20,13 @@
 namespace {
 
 #if defined(__AVX512F__)
-// The last n - c (1-16) lanes of a run of 16 from c.
-inline __mmask16 tail(int64_t n, int64_t c) {
-  return n - c >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - c)) - 1);
-}
+using ascendserve_simd::lanes_below;
 
 // o[c] = silu(gate[c]) * up[c] over n fp32 values, 16 at a time (silu_mul512: the exp polynomial the attention kernels
 // use, shared with bf16_linear_silu_mul, which gives a bf16 model's gate-and-up layer the same values fused).
 inline void silu_and_mul_f32(const float* gate, const float* up, int64_t n, float* o) {
   for (int64_t c = 0; c < n; c += 16) {
-    const __mmask16 m = tail(n, c);
+    const __mmask16 m = lanes_below(n, c);
     _mm512_mask_storeu_ps(o + c, m, ascendserve_simd::silu_mul512(_mm512_maskz_loadu_ps(m, gate + c),
                                                                   _mm512_maskz_loadu_ps(m, up + c)));
   }
@@ -59,7 +56,7 @@ void silu_and_mul_rows(const at::BFloat16* x, int64_t x_stride, int64_t rows, in
     for (int64_t r = begin; r < end; ++r) {
       const at::BFloat16* g = x + r * x_stride;
       for (int64_t c = 0; c < n; c += 16) {
-        const __mmask16 m = tail(n, c);
+        const __mmask16 m = lanes_below(n, c);
         const __m512 o = ascendserve_simd::silu_mul512(widen(m, g + c), widen(m, g + n + c));
         _mm256_mask_storeu_epi16(out + r * n + c, m, (__m256i)_mm512_cvtneps_pbh(o));
       }

@@ -97,18 +97,26 @@ inline __m512 silu_mul512(__m512 g, __m512 u) {
   return _mm512_mul_ps(_mm512_mul_ps(g, u), _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f))));
 }
 
+// The lanes of [t, t + 16) below n, for t < n: the mask of a run's last (partial) vector.
+inline __mmask16 lanes_below(int64_t n, int64_t t) {
+  return n - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
+}
+
+// max(s[0 .. n)), n > 0.
+inline float max512(const float* s, int64_t n) {
+  const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());  // not -inf: built with -ffast-math
+  __m512 vmax = lowest;
+  for (int64_t t = 0; t < n; t += 16)
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(lowest, lanes_below(n, t), s + t));
+  return _mm512_reduce_max_ps(vmax);
+}
+
 // s[0 .. n) = exp(s - max(s)); returns the sum.
 inline float softmax_numerators_avx512(float* s, int64_t n) {
-  const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());  // not -inf: built with -ffast-math
-  auto lanes = [n](int64_t t) {  // the lanes of s[t .. t + 16) below n
-    return n - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
-  };
-  __m512 vmax = lowest;
-  for (int64_t t = 0; t < n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(lowest, lanes(t), s + t));
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  const __m512 mx = _mm512_set1_ps(max512(s, n));
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 m = lanes(t);
+    const __mmask16 m = lanes_below(n, t);
     const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx));
     _mm512_mask_storeu_ps(s + t, m, e);
     vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
