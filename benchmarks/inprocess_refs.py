@@ -18,6 +18,7 @@ needs another transformers (5.2) and prefilled Qwen3.5 at ~69 tok/s in cpu_peers
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -123,6 +124,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ns = p.parse_args()
     work = WorkDir(Path(ns.work_dir).expanduser())
+    if not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", ns.concurrency):
+        p.error(f"--concurrency: comma-separated positive integers, e.g. 1,8,16,64 (got {ns.concurrency!r})")
     levels = [int(c) for c in ns.concurrency.split(",")]
     engines = ns.engines.split(",")
     if unknown := [e for e in engines if e not in ENGINES]:
