@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "bf16_convert.h"
+#include "softmax_simd.h"
 
 namespace ascendserve_gdn {
 
@@ -25,23 +26,60 @@ inline void l2norm_into(const float* src, int64_t n, float scale, float* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * f;
 }
 
-// o = o * rsqrt(mean(o^2) + eps) * weight * silu(z) over one head's n values (Qwen3_5RMSNormGated).
+// o = o * rsqrt(mean(o^2) + eps) * weight * silu(z) over one head's n values (Qwen3_5RMSNormGated); on AVX-512 the
+// SiLU is silu_mul512's (libmvec's 8-lane expf was ~1/8 of the prefill op at Qwen3.5's shape).
 inline void gated_rms_norm(float* o, const float* z, const float* weight, int64_t n, float eps) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t j = 0; j < n; ++j) ss += o[j] * o[j];
   const float inv_rms = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#if defined(__AVX512F__)
+  using namespace ascendserve_simd;
+  const __m512 f = _mm512_set1_ps(inv_rms);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = lanes_below(n, j);
+    const __m512 scaled = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, o + j), f),
+                                        _mm512_maskz_loadu_ps(m, weight + j));
+    _mm512_mask_storeu_ps(o + j, m, silu_mul512(_mm512_maskz_loadu_ps(m, z + j), scaled));
+  }
+#else
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) o[j] = o[j] * inv_rms * weight[j] * silu(z[j]);
+#endif
+}
+
+// out[i] = silu(sum_j rows[j][c] * taps[j * ld + c]) at c = c0 + i, i < n: one token's causal conv over a run of
+// channels, rows [width] the window's input rows (oldest first) and taps [width][ld] the weights transposed.
+inline void conv_silu(const float* const* rows, int64_t width, const float* taps, int64_t ld, int64_t c0, int64_t n,
+                      float* out) {
+  taps += c0;
+#if defined(__AVX512F__)
+  using namespace ascendserve_simd;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes_below(n, i);
+    __m512 acc = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, rows[0] + c0 + i), _mm512_maskz_loadu_ps(m, taps + i));
+    for (int64_t j = 1; j < width; ++j)
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, rows[j] + c0 + i), _mm512_maskz_loadu_ps(m, taps + j * ld + i),
+                            acc);
+    _mm512_mask_storeu_ps(out + i, m, silu_mul512(acc, _mm512_set1_ps(1.f)));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < width; ++j) acc += rows[j][c0 + i] * taps[j * ld + i];
+    out[i] = silu(acc);
+  }
+#endif
 }
 
 struct Dims {
   int64_t hk, hv, dk, dv, key_dim, value_dim, channels, width;  // channels: the conv's, 2*Hk*dk + Hv*dv
 };
 
-// The layer's sizes from the pools and the conv weight, after checking every argument both ops take:
-// fp32 throughout but for the recurrent-state pool (fp32 or bf16), qkvz [rows, C + Hv*dv] and ba [rows, 2*Hv] with contiguous columns, contiguous
-// conv weight [C, K] and pools [S, C, K-1] / [S, Hv, dk, dv], slots [B] int64 within the pool.
+// The layer's sizes from the pools and the conv weight, after checking every argument both ops take: fp32
+// throughout but for the recurrent-state pool (fp32 or bf16), qkvz [rows, C + Hv*dv] and ba [rows, 2*Hv] with
+// contiguous columns, contiguous conv weight [C, K] and pools [S, C, K-1] / [S, Hv, dk, dv], slots [B] int64 within
+// the pool.
 inline Dims checked_dims(const char* op, const at::Tensor& qkvz, const at::Tensor& ba, const at::Tensor& conv_weight,
                          const at::Tensor& conv_states, const at::Tensor& ssm_states, const at::Tensor& slots,
                          const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight,

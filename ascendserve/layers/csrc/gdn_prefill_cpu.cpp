@@ -17,9 +17,13 @@
 // per 64 tokens whose edges, transposes and forward substitution kept it near 80 GFLOP/s. Measured on
 // 8 x 256 tokens of Qwen3.5-0.8B's layer shape (16 value heads of 128 x 128), the two ops built side by
 // side in one process and alternated: 93 -> 78 and 109 -> 88 ms a layer, the same outputs to 1e-4;
-// with the buffers 64-byte aligned (AlignedFloats) 111 -> 83 ms. Of the ~80 ms, the recurrence is
-// about a third; the conv, the q / k norms, the gated norm and the copies are the rest.
-// (Before either op, the plain-torch chunked path took ~1.2 s of a 3.2 s 256-token prefill.)
+// with the buffers 64-byte aligned (AlignedFloats) 111 -> 83 ms. (Before either op, the plain-torch chunked path
+// took ~1.2 s of a 3.2 s 256-token prefill.)
+// The conv is done inside each (sequence, head) work item, on that head's q, k and v channels as the tokens are
+// gathered, with the rows a few tokens on prefetched: a separate pass over all channels wrote a [T, C] buffer (page
+// faults on a fresh one) and read it back, and the strided gathers waited on DRAM. Same microbenchmark, alternated:
+// 42-45 -> 31-34 ms (conv in the items, SiLU on AVX-512's exp) -> 25-27 ms (prefetch); in a 0.8B-shaped bf16 model's
+// 8 x 256 prefill the 18 layers' ops 0.61-0.64 -> 0.47-0.50 s. The recurrence is about half of what is left.
 // Denormals are flushed (flush_denormals.h): strong decays otherwise made it 4x slower.
 
 #include <ATen/ATen.h>
@@ -151,53 +155,46 @@ void recur_block(int64_t dk, int64_t nc, int64_t len, const TokenInputs& in, con
   }
 }
 
-// Per sequence b and channel c: x[t][c] = silu(sum_j w[c][j] in[t - K + 1 + j][c]) where inputs before
-// the sequence's first token come from its conv state (zeros without an initial state); the state
-// then holds the last K-1 inputs (old state columns included when the sequence is shorter than K-1).
-// Token-major: each token's row is one pass over all channels, reading rows the previous token read.
-void conv_prefill(const float* qkvz, int64_t qkvz_stride, const float* weight, int64_t width, float* states,
-                  const int64_t* cu, const int64_t* slots, const bool* has_initial, int64_t batch,
-                  int64_t channels, float* x) {
-  const int64_t hist = width - 1, num_tokens = cu[batch];
-  std::vector<float> taps(width * channels);  // taps[j][c] = weight[c][j]: contiguous across channels
-  for (int64_t c = 0; c < channels; ++c)
-    for (int64_t j = 0; j < width; ++j) taps[j * channels + c] = weight[c * width + j];
-  std::vector<float> context(batch * hist * channels);  // [b][j][c]: slot b's state column j, oldest first
-  for (int64_t b = 0; b < batch; ++b)
+// Rows of qkvz are 8-32 KiB apart and each work item reads a few hundred bytes of each, in token order: a stride the
+// hardware prefetcher does not follow, so the rows kAhead tokens on are asked for while this one is worked on.
+constexpr int64_t kAhead = 8;
+
+__attribute__((always_inline)) inline void prefetch_floats(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
+// The causal conv's inputs: its weights transposed, taps [K][C], and each sequence's window before its first
+// token, context [b][K-1][C] (its conv state, oldest first, or zeros without an initial state). A copy of the old
+// states, so that the work items may write the new ones while others still read the old.
+struct ConvInputs {
+  std::vector<float> taps, context;
+  const float* qkvz;
+  int64_t qkvz_stride, hist, channels;
+  const int64_t* cu;
+  ConvInputs(const float* qkvz_, int64_t qkvz_stride_, const float* weight, int64_t width, const float* states,
+             const int64_t* cu_, const int64_t* slots, const bool* has_initial, int64_t batch, int64_t channels_)
+      : taps(width * channels_), context(batch * (width - 1) * channels_), qkvz(qkvz_), qkvz_stride(qkvz_stride_),
+        hist(width - 1), channels(channels_), cu(cu_) {
     for (int64_t c = 0; c < channels; ++c)
-      for (int64_t j = 0; j < hist; ++j)
-        context[(b * hist + j) * channels + c] = has_initial[b] ? states[(slots[b] * channels + c) * hist + j] : 0.f;
-  std::vector<int64_t> seq_of(num_tokens);
-  for (int64_t b = 0; b < batch; ++b) std::fill(seq_of.begin() + cu[b], seq_of.begin() + cu[b + 1], b);
-  // Row of input p of sequence b (p < 0: its state column hist + p).
-  auto input = [&](int64_t b, int64_t p) {
+      for (int64_t j = 0; j < width; ++j) taps[j * channels + c] = weight[c * width + j];
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t c = 0; c < channels; ++c)
+        for (int64_t j = 0; j < hist; ++j)
+          context[(b * hist + j) * channels + c] = has_initial[b] ? states[(slots[b] * channels + c) * hist + j] : 0.f;
+  }
+  // The conv input row of sequence b's token p (p < 0: its state column hist + p).
+  const float* row(int64_t b, int64_t p) const {
     return p >= 0 ? qkvz + (cu[b] + p) * qkvz_stride : context.data() + (b * hist + hist + p) * channels;
-  };
-  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = seq_of[t], p = t - cu[b];
-      float* xo = x + t * channels;
-      const float* in = input(b, p - hist);
-#pragma omp simd
-      for (int64_t c = 0; c < channels; ++c) xo[c] = in[c] * taps[c];
-      for (int64_t j = 1; j <= hist; ++j) {
-        in = input(b, p - hist + j);
-        const float* tap = taps.data() + j * channels;
-#pragma omp simd
-        for (int64_t c = 0; c < channels; ++c) xo[c] += in[c] * tap[c];
-      }
-#pragma omp simd
-      for (int64_t c = 0; c < channels; ++c) xo[c] = silu(xo[c]);
-    }
-  });
-  for (int64_t b = 0; b < batch; ++b) {  // the new states, from the inputs and the context copies
-    float* st = states + slots[b] * channels * hist;
+  }
+  // Sequence b's new state (its last K-1 inputs, old state columns included when it is shorter) for channels
+  // [c0, c0 + n), into its slot's state [C][K-1].
+  void keep(int64_t b, int64_t len, int64_t c0, int64_t n, float* state) const {
     for (int64_t j = 0; j < hist; ++j) {
-      const float* in = input(b, cu[b + 1] - cu[b] - hist + j);
-      for (int64_t c = 0; c < channels; ++c) st[c * hist + j] = in[c];
+      const float* in = row(b, len - hist + j);
+      for (int64_t c = c0; c < c0 + n; ++c) state[c * hist + j] = in[c];
     }
   }
-}
+};
 
 at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::Tensor& conv_weight,
                        const at::Tensor& conv_states, const at::Tensor& ssm_states, const at::Tensor& cu_seqlens,
@@ -214,13 +211,12 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
   TORCH_CHECK(cu[0] == 0 && cu[batch] == num_tokens, "gdn_prefill: cu_seqlens must run from 0 to T");
   for (int64_t b = 0; b < batch; ++b) TORCH_CHECK(cu[b + 1] >= cu[b], "gdn_prefill: cu_seqlens must not decrease");
 
-  at::Tensor x = at::empty({num_tokens, d.channels}, qkvz.options());
-  conv_prefill(qkvz.data_ptr<float>(), qkvz.stride(0), conv_weight.data_ptr<float>(), width,
-               conv_states.data_ptr<float>(), cu, slot, has_initial.data_ptr<bool>(), batch, d.channels,
-               x.data_ptr<float>());
+  const ConvInputs conv(qkvz.data_ptr<float>(), qkvz.stride(0), conv_weight.data_ptr<float>(), width,
+                        conv_states.data_ptr<float>(), cu, slot, has_initial.data_ptr<bool>(), batch, d.channels);
+  float* conv_pool = conv_states.data_ptr<float>();
 
   at::Tensor out = at::empty({num_tokens, d.value_dim}, qkvz.options());
-  const float *xs = x.data_ptr<float>(), *bas = ba.data_ptr<float>(), *zs = qkvz.data_ptr<float>() + d.channels;
+  const float *bas = ba.data_ptr<float>(), *zs = qkvz.data_ptr<float>() + d.channels;
   const float *a_log = A_log.data_ptr<float>(), *dt = dt_bias.data_ptr<float>(), *nw = norm_weight.data_ptr<float>();
   const bool* initial = has_initial.data_ptr<bool>();
   float* o_all = out.data_ptr<float>();
@@ -236,22 +232,38 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
       FlushDenormals flush;
       TokenInputs in(std::min(max_len, kSegment), d.dk, d.dv);
       AlignedFloats block(d.dk * kCols);
+      std::vector<const float*> window(width);
       const int64_t group = d.hv / d.hk;
       const float scale = 1.f / std::sqrt(static_cast<float>(d.dk));
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / d.hv, h = item % d.hv, kh = h / group, t0 = cu[b], len = cu[b + 1] - t0;
+        const int64_t q_at = kh * d.dk, k_at = d.key_dim + kh * d.dk, v_at = 2 * d.key_dim + h * d.dv;
+        float* conv_state = conv_pool + slot[b] * d.channels * conv.hist;
+        if (h % group == 0) {  // the key head's q and k channels are kept by the first of its value heads
+          conv.keep(b, len, q_at, d.dk, conv_state);
+          conv.keep(b, len, k_at, d.dk, conv_state);
+        }
+        conv.keep(b, len, v_at, d.dv, conv_state);
         S* s = pool + (slot[b] * d.hv + h) * d.dk * d.dv;
         if (!initial[b]) std::fill(s, s + d.dk * d.dv, from_float<S>(0.f));
         if (len == 0) continue;
         const float a_scale = std::exp(a_log[h]);
-        const int64_t q_at = kh * d.dk, k_at = d.key_dim + kh * d.dk, v_at = 2 * d.key_dim + h * d.dv;
         for (int64_t s0 = 0; s0 < len; s0 += kSegment) {  // the tokens a segment at a time
           const int64_t first = t0 + s0, count = std::min(kSegment, len - s0);
-          for (int64_t r = 0; r < count; ++r) {
-            const float* xr = xs + (first + r) * d.channels;
-            l2norm_into(xr + q_at, d.dk, scale, in.q.data() + r * d.dk);
-            l2norm_into(xr + k_at, d.dk, 1.f, in.k.data() + r * d.dk);
-            std::copy(xr + v_at, xr + v_at + d.dv, in.v.data() + r * d.dv);
+          for (int64_t r = 0; r < count; ++r) {  // the conv of the head's channels, q and k normed
+            if (s0 + r + kAhead < len) {
+              const float* ahead = conv.row(b, s0 + r + kAhead);
+              prefetch_floats(ahead + q_at, d.dk);
+              prefetch_floats(ahead + k_at, d.dk);
+              prefetch_floats(ahead + v_at, d.dv);
+            }
+            for (int64_t j = 0; j < width; ++j) window[j] = conv.row(b, s0 + r - conv.hist + j);
+            float *q = in.q.data() + r * d.dk, *k = in.k.data() + r * d.dk;
+            conv_silu(window.data(), width, conv.taps.data(), d.channels, q_at, d.dk, q);
+            l2norm_into(q, d.dk, scale, q);
+            conv_silu(window.data(), width, conv.taps.data(), d.channels, k_at, d.dk, k);
+            l2norm_into(k, d.dk, 1.f, k);
+            conv_silu(window.data(), width, conv.taps.data(), d.channels, v_at, d.dv, in.v.data() + r * d.dv);
             const float* bar = bas + (first + r) * ba_stride;
             in.beta[r] = 1.f / (1.f + std::exp(-bar[h]));
             in.decay[r] = std::exp(-a_scale * softplus(bar[d.hv + h] + dt[h]));
@@ -274,6 +286,7 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
           }
           for (int64_t r = 0; r < count; ++r) {  // gated RMSNorm of each output row
             const float* z = zs + (first + r) * qkvz_stride + h * d.dv;
+            if (r + kAhead < count) prefetch_floats(z + kAhead * qkvz_stride, d.dv);
             float* o = o_all + (first + r) * d.value_dim + h * d.dv;
             std::copy(in.o.data() + r * d.dv, in.o.data() + (r + 1) * d.dv, o);
             gated_rms_norm(o, z, nw, d.dv, eps);
