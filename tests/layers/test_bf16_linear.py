@@ -249,13 +249,13 @@ def test_bf16x_kernel_reports_vdpbf16ps_as_the_cpu_has_it_and_rejects_bad_inputs
 def test_amx_is_used_as_the_cpu_has_it_and_a_row_sums_alike_in_any_batch_with_a_bf16_dot(kernels):
     flags = cpu_flags()
     assert kernels.bf16_amx() == ({"amx_bf16", "amx_tile", "avx512_bf16"} <= flags)  # built with -march=native
-    # 1024 inputs: AMX's blocks of more than 32 rows take them in two slices, and 256 rows or more of 8192 fp32 outputs
-    # are written with non-temporal stores; one block takes all 1024 inputs at once and stores through the caches
+    # 1024 inputs: AMX's blocks take them in two slices from 97 rows on, and 256 rows or more of 8192 fp32 outputs are
+    # written with non-temporal stores; up to 96 rows each block takes all 1024 inputs at once
     layer = _bf16_valued_linear(1024, 8192, False)
     packed = pack_bf16(layer.weight.detach())
     x = torch.randn(300, 1024).bfloat16()
     whole = kernels.bf16_linear_bf16x(x, packed, 8192, None, False)
-    for rows in (1, 7, 8, 33, 256):
+    for rows in (1, 7, 8, 33, 97, 256):
         part = kernels.bf16_linear_bf16x(x[:rows], packed, 8192, None, False)
         if kernels.bf16_dot():
             # every batch size on the same tiles: a row's sums are the same bits alone, in a small batch or a large one

@@ -373,6 +373,11 @@ inline void store_silu_mul_row(const float* gate, const float* up, at::BFloat16*
 }
 
 constexpr int64_t kAmxSliceInputs = 640;     // at most this many inputs per panel slice (40 KiB: L1 is 48)
+// Up to three blocks of rows take each panel whole: their few passes reread it from L2 for less than the slices' partial
+// sums cost (stores, reloads, a tile pipeline drained per slice). Qwen3.5's decode linears (24 gate_up, 18 in_proj_qkvz,
+// 24 down, 18 out_proj and lm_head, each call a different weight copy, alternated): 48 rows 91-93 -> 80 ms, 64 rows
+// 92-101 -> 86, 96 rows 128-131 -> 124; level at 128 rows, and from 256 rows on the slices win (245-251 vs 261-265).
+constexpr int64_t kAmxSlicedFrom = 3 * kAmxRows;  // rows above this take the panels in slices
 constexpr int64_t kAmxStreamBytes = 8 << 20;  // outputs from this size on are written with non-temporal stores
 
 // Whether m_rows output rows of row_bytes at out are written with non-temporal stores (from kAmxStreamBytes on, rows
@@ -388,7 +393,7 @@ inline bool streamed(int64_t m_rows, int64_t row_bytes, const void* out) {
 // tile(p, m0, rows, cols, kp0, kp1, partial) over every unit of kPanelsPerUnit panels (one; two for the fused gate and
 // up), 32-row block and slice of input pairs: threads split the units; each walks its units once per chunk of rows
 // (about kChunkBytes of bf16 x), and a unit's inputs in slices that stay in L1 while the chunk's blocks pass (one slice
-// where the chunk is one block: nothing to reuse). `partial` is the block's [kPanelsPerUnit][32][32] fp32 sums between
+// where the chunk is at most kAmxSlicedFrom rows). `partial` is the block's [kPanelsPerUnit][32][32] fp32 sums between
 // slices, in a per-thread buffer. 2048 rows, 2 threads (before it the whole K per block, chunks of 1 MiB of fp32-sized
 // x): 1024 inputs x 7168 outputs 17.6 -> 15.6 ms, 576 x 3072 4.6 -> 3.0 ms, the same bits. A fused unit's two slices
 // share L1: kAmxSliceInputs / kPanelsPerUnit inputs each.
@@ -397,7 +402,7 @@ void for_each_amx_block(int64_t m_rows, int64_t k, int64_t n, int64_t panels, co
   const int64_t rows_per_chunk = ascendserve_panel::chunk_rows(m_rows, 2 * k, kAmxRows, ascendserve_panel::kChunkBytes);
   const int64_t kpairs = k / 2, step = kAmxK / 2, steps = kpairs / step;
   const int64_t slice_inputs = kAmxSliceInputs / kPanelsPerUnit;
-  const int64_t slices = m_rows > kAmxRows ? (k + slice_inputs - 1) / slice_inputs : 1;
+  const int64_t slices = m_rows > kAmxSlicedFrom ? (k + slice_inputs - 1) / slice_inputs : 1;
   const int64_t slice_pairs = (steps + slices - 1) / slices * step;
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     amx_configured_rows = 0;
