@@ -17,12 +17,18 @@ def _sse(*payloads) -> bytes:
     return b"".join(f"data: {json.dumps(p) if not isinstance(p, str) else p}\n\n".encode() for p in payloads)
 
 
-def _send(body: bytes, endpoint: str = "/v1/completions", status: int = 200):
+def _send(body: bytes, endpoint: str = "/v1/completions", status: int = 200, piece: int = 0):
+    """send_request against a canned answer; piece > 0 delivers the body in pieces of that many bytes."""
     seen = {}
+
+    async def pieces():
+        for i in range(0, len(body), piece):
+            yield body[i:i + piece]
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.update(json.loads(request.content), auth=request.headers.get("authorization"))
-        return httpx.Response(status, content=body, headers={"content-type": "text/event-stream"})
+        content = pieces() if piece else body
+        return httpx.Response(status, content=content, headers={"content-type": "text/event-stream"})
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://x") as client:
@@ -41,6 +47,23 @@ def test_completions_stream_counts_usage_tokens():
     assert 0 < out.ttft <= out.latency
     assert seen["prompt"] == "hi" and seen["stream"] and seen["stream_options"] == {"include_usage": True}
     assert seen["ignore_eos"] is True and seen["max_tokens"] == 4 and seen["auth"] == "Bearer k"
+
+
+@pytest.mark.parametrize("piece", [1, 7, 64])
+def test_events_split_anywhere_with_crlf_comments_and_no_final_newline(piece):
+    # a chunk boundary may fall inside a line or between \r and \n; comments and other fields are skipped; the last
+    # event needs no blank line after it
+    events = [{"choices": [{"text": "h\u00e9"}]}, {"choices": [{"text": "llo"}]},
+              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}]
+    body = b": keep-alive\r\n\r\n" + b"".join(f"event: message\r\ndata: {json.dumps(e)}\r\n\r\n".encode()
+                                               for e in events[:2]) + f"data: {json.dumps(events[2])}".encode()
+    out, _ = _send(body, piece=piece)
+    assert out.success and out.generated_text == "h\u00e9llo" and out.num_chunks == 2 and out.output_len == 2
+
+
+def test_nothing_after_done_is_read():
+    out, _ = _send(_sse({"choices": [{"text": "a"}]}, "[DONE]") + b"data: {not json", piece=5)
+    assert out.success and out.generated_text == "a" and not out.error
 
 
 def test_chat_stream_without_usage_counts_chunks():
