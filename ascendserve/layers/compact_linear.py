@@ -135,6 +135,20 @@ class Bf16Linear(KernelLinear):
         weight = linear.weight
         return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and linear.in_features % 2 == 0
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Per row of bf16 x [M, K], the index of its largest output (argmax_rows of this layer's fp32 outputs: the
+        first index of the maximum, the first NaN's where there is one) without making the outputs, where the fused op
+        runs: a bf16 layer with fp32 outputs and no bias (the lm_head) on AMX, K a multiple of 32. Else None. Greedy
+        decoding then neither writes the [M, vocab] logits nor reads them back (Qwen3.5, 64 rows: 64 MB each way)."""
+        if not (self.bf16_io and getattr(self, "fp32_out", False) and self.bias is None and x.dim() == 2
+                and x.dtype == torch.bfloat16 and self.in_features % 32 == 0):
+            return None
+        if getattr(self, "_argmax_on_amx", None) is None:
+            self._argmax_on_amx = bool(hasattr(self.kernels, "bf16_linear_argmax") and self.kernels.bf16_amx())
+        if not self._argmax_on_amx:
+            return None
+        return self.kernels.bf16_linear_argmax(x.contiguous(), self.packed, self.out_features)
+
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.bf16_io:
             bias = self.bias_fp32 if self.bias is not None else None

@@ -108,6 +108,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The causal LM head over LlamaModel; also serves Qwen2ForCausalLM and Qwen3ForCausalLM."""
 
+    # compute_logits is lm_head(hidden) and nothing more: greedy rows may take the lm_head's fused argmax instead
+    # (ModelRunner._fused_greedy); a subclass that scales or masks the logits sets this False.
+    greedy_from_lm_head = True
+
     # checkpoint name piece -> (fused parameter name piece, shard index)
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

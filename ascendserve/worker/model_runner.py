@@ -11,7 +11,7 @@ from ascendserve.engine.scheduler import SchedulerOutput
 from ascendserve.layers.attention import build_attention_metadata
 from ascendserve.logger import init_logger
 from ascendserve.platforms.cpu import advise_huge_pages
-from ascendserve.worker.sampler import LogprobsRow, Sampler, SamplingRow
+from ascendserve.worker.sampler import LogprobsRow, Sampler, SamplingRow, plain_greedy_without_logprobs
 
 logger = init_logger(__name__)
 
@@ -157,11 +157,24 @@ class ModelRunner:
                                 self.state_caches, step.state_meta)
         if not step.logits_rows:
             return ModelRunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[step.logits_rows])
-        out = self.sampler(logits, [row for _, row in step.sampling])
+        hidden, rows = hidden[step.logits_rows], [row for _, row in step.sampling]
         ids = [req_id for req_id, _ in step.sampling]
+        if (tokens := self._fused_greedy(hidden, rows)) is not None:
+            return ModelRunnerOutput(dict(zip(ids, tokens.tolist())), {})
+        logits = self.model.compute_logits(hidden)
+        out = self.sampler(logits, rows)
         logprobs = {i: lp for i, lp in zip(ids, out.logprobs) if lp is not None}
         return ModelRunnerOutput(dict(zip(ids, out.sampled_token_ids)), logprobs)
+
+
+    def _fused_greedy(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
+        """The rows' greedy tokens from the lm_head's fused argmax (Bf16Linear.argmax), where the model's logits are its
+        lm_head's outputs (`greedy_from_lm_head`) and every row only takes their argmax; else None (the logits are
+        made and sampled). The same tokens as the sampler's argmax_rows over those logits."""
+        if not getattr(self.model, "greedy_from_lm_head", False) or not plain_greedy_without_logprobs(rows):
+            return None
+        argmax = getattr(self.model.lm_head, "argmax", None)
+        return argmax(hidden) if argmax is not None else None
 
 
 def kv_cache_bytes_per_block(spec: dict, block_size: int, dtype: torch.dtype) -> int:

@@ -274,6 +274,12 @@ def _num_logprobs(requested: int, vocab_size: int) -> int:
     return vocab_size if requested == -1 else min(requested, vocab_size)
 
 
+def plain_greedy_without_logprobs(rows: Sequence[SamplingRow]) -> bool:
+    """Whether every row takes the argmax of its raw logits and returns no logprobs: all the sampler would do with the
+    logits is argmax_rows, which the lm_head's fused argmax gives without them (ModelRunner.execute)."""
+    return all(_is_plain_greedy(row) and row.params.logprobs is None for row in rows)
+
+
 def _is_plain_greedy(row: SamplingRow) -> bool:
     params = row.params
     return (params.is_greedy and not _has_penalty(params) and not params.logit_bias

@@ -310,6 +310,49 @@ def test_prepack_gives_bf16_layers_the_kernel_for_every_batch(kernels, caplog):
     assert logits.dtype == torch.float32 and logits.shape == (3, 100)
 
 
+@pytest.mark.parametrize("k,n", [(32, 7), (64, 100), (576, 1000), (1024, 4099)])
+def test_fused_argmax_is_argmax_rows_of_the_fp32_outputs(kernels, k, n):
+    if not kernels.bf16_amx():
+        pytest.skip("bf16_linear_argmax multiplies on AMX only")
+    from ascendserve.worker.sampler import argmax_rows
+    weight = _bf16_valued_linear(k, n, False).weight.detach().clone()
+    # equal outputs in other panels (and so on the other thread): a copy of row 3 at the last column, and of the last
+    # panel's first row at column 0; the first index must win
+    weight[n - 1] = weight[3]
+    weight[0] = weight[(n - 1) // 32 * 32]
+    packed = pack_bf16(weight)
+    for rows in (1, 7, 33, 64, 100, 300):
+        x = torch.randn(rows, k).bfloat16()
+        x[rows // 2] = x[0]  # a repeated row: the same pick
+        got = kernels.bf16_linear_argmax(x, packed, n)
+        expected = argmax_rows(kernels.bf16_linear_bf16x(x, packed, n, None, False))
+        assert got.dtype == torch.int64 and torch.equal(got, expected), rows
+    # rows where the maximum is a tie between column 3 and column n - 1: x along row 3's weights
+    x = (weight[3].float() * 4).bfloat16().repeat(5, 1)
+    assert torch.equal(kernels.bf16_linear_argmax(x, packed, n), torch.full((5,), 3))
+    # NaN: a row of NaN inputs gives NaN everywhere (index 0); a NaN weight row makes its column every row's pick,
+    # before any larger value after it and after any larger value before it
+    x = torch.randn(4, k).bfloat16()
+    x[2] = float("nan")
+    assert kernels.bf16_linear_argmax(x, packed, n).tolist()[2] == 0
+    nan_weight = weight.clone()
+    nan_weight[n // 2] = float("nan")
+    got = kernels.bf16_linear_argmax(x, pack_bf16(nan_weight), n)
+    assert got.tolist() == [n // 2, n // 2, 0, n // 2]  # row 2 is NaN from column 0 on
+    assert torch.equal(got, argmax_rows(kernels.bf16_linear_bf16x(x, pack_bf16(nan_weight), n, None, False)))
+
+
+def test_fused_argmax_rejects_bad_inputs(kernels):
+    packed = pack_bf16(_bf16_valued_linear(64, 40, False).weight.detach())
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        kernels.bf16_linear_argmax(torch.randn(3, 64), packed, 40)
+    with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+        kernels.bf16_linear_argmax(torch.randn(3, 32).bfloat16(), packed, 40)
+    if not kernels.bf16_amx():
+        with pytest.raises(RuntimeError, match="needs AMX"):
+            kernels.bf16_linear_argmax(torch.randn(3, 64).bfloat16(), packed, 40)
+
+
 # (rows, K, I) for the fused gate-and-up layer: one and two A tiles, last blocks of each height, K in one, two and
 # several slices (the demo's 576, Qwen3.5's 1024, 3584), and outputs of 8 MiB or more (non-temporal stores)
 GATE_UP_CASES = [(1, 576, 1536), (5, 64, 32), (17, 576, 96), (33, 1024, 3584), (64, 576, 1536), (300, 3584, 64),

@@ -14,17 +14,15 @@
 #include <cstdint>
 #include <cstring>
 
+#include "float_bits.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-inline bool is_nan(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return (bits & 0x7fffffffu) > 0x7f800000u;
-}
+using ascendserve_bits::is_nan;
 
 // From index `from` on, one value at a time: the first NaN, else the first maximum (or best_index
 // when nothing after it is larger than best).

@@ -23,11 +23,13 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "amx.h"
 #include "bf16_convert.h"
+#include "float_bits.h"
 #include "panel_linear.h"
 #include "softmax_simd.h"
 
@@ -373,10 +375,11 @@ inline void store_silu_mul_row(const float* gate, const float* up, at::BFloat16*
 }
 
 constexpr int64_t kAmxSliceInputs = 640;     // at most this many inputs per panel slice (40 KiB: L1 is 48)
-// Up to three blocks of rows take each panel whole: their few passes reread it from L2 for less than the slices' partial
-// sums cost (stores, reloads, a tile pipeline drained per slice). Qwen3.5's decode linears (24 gate_up, 18 in_proj_qkvz,
-// 24 down, 18 out_proj and lm_head, each call a different weight copy, alternated): 48 rows 91-93 -> 80 ms, 64 rows
-// 92-101 -> 86, 96 rows 128-131 -> 124; level at 128 rows, and from 256 rows on the slices win (245-251 vs 261-265).
+// Up to three blocks of rows take each panel whole: their few passes reread it from L2 for less than the slices'
+// partial sums cost (stores, reloads, a tile pipeline drained per slice). Qwen3.5's decode linears (24 gate_up, 18
+// in_proj_qkvz, 24 down, 18 out_proj and lm_head, each call a different weight copy, alternated): 48 rows 91-93 -> 80
+// ms, 64 rows 92-101 -> 86, 96 rows 128-131 -> 124; level at 128 rows, and from 256 rows on the slices win (245-251 vs
+// 261-265).
 constexpr int64_t kAmxSlicedFrom = 3 * kAmxRows;  // rows above this take the panels in slices
 constexpr int64_t kAmxStreamBytes = 8 << 20;  // outputs from this size on are written with non-temporal stores
 
@@ -549,6 +552,84 @@ at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   return out;
 }
 
+// Per row of bf16 x [M, K], the index of the largest of n outputs x @ W.T (no bias) on AMX: the sums
+// bf16_linear_bf16x returns as fp32, never written out. Each thread keeps, per row, the largest sum over its panels
+// and its first index (or the first NaN's), and the threads' picks are merged by value, then index: argmax_rows' result
+// on bf16_linear_bf16x's output (the first index of the maximum, the first NaN where there is one). Greedy sampling's
+// lm_head: a 64-row Qwen3.5 decode step neither writes 64 MB of logits nor reads them back.
+at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "bf16_linear_argmax: x must be a contiguous bf16 [M, K] tensor");
+  check_pack(packed, "bf16_linear_argmax", "[N/32, K/2, 32, 2]");
+  check_columns(x, packed, "bf16_linear_argmax");
+  const int64_t m_rows = x.size(0), k = x.size(1), panels = packed.size(0), kpairs = packed.size(1);
+  ascendserve_panel::check_outputs(n, panels, kPanel, "bf16_linear_argmax");
+  TORCH_CHECK(n > 0, "bf16_linear_argmax: n must be positive");
+  TORCH_CHECK(bf16_amx() && k % 32 == 0, "bf16_linear_argmax: needs AMX and K a multiple of 32 (K=", k, ")");
+  at::Tensor out = at::empty({m_rows}, x.options().dtype(at::kLong));
+#if defined(ASCENDSERVE_BF16_AMX)
+  if (m_rows == 0) return out;
+  struct Pick {
+    float value = 0.f;
+    int64_t index = -1;  // -1: nothing seen yet
+    bool nan = false;
+  };
+  const int64_t threads = at::get_num_threads();
+  std::vector<Pick> picks(threads * m_rows);
+  const uint32_t* x_ptr = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const uint32_t* w_ptr = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  const int64_t panel_stride = kpairs * kPanel;
+  auto block = [&](int64_t p, int64_t m0, int rows, int64_t cols, int64_t kp0, int64_t kp1, float* partial) {
+    alignas(64) float sums[kAmxRows][kPanel];
+    if (!amx_sums(rows, x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kp0, kp1, kpairs, partial, sums)) return;
+    Pick* mine = picks.data() + std::min<int64_t>(at::get_thread_num(), threads - 1) * m_rows + m0;
+    // A thread's panels come in increasing order, so a later sum equal to the pick never replaces it. Per row, the
+    // panel's largest sum (and any NaN) is found on two vectors; only a new maximum looks for its first column.
+    const __mmask16 valid[2] = {ascendserve_simd::lanes_below(cols, 0),
+                                cols > 16 ? ascendserve_simd::lanes_below(cols, 16) : static_cast<__mmask16>(0)};
+    const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());
+    for (int m = 0; m < rows; ++m) {
+      Pick& pick = mine[m];
+      if (pick.nan) continue;
+      __mmask16 nan[2];
+      __m512 v[2];
+      for (int h = 0; h < 2; ++h) {
+        v[h] = _mm512_mask_load_ps(lowest, valid[h], &sums[m][16 * h]);
+        const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(v[h]), _mm512_set1_epi32(0x7fffffff));
+        nan[h] = _mm512_mask_cmpgt_epi32_mask(valid[h], magnitude, _mm512_set1_epi32(0x7f800000));
+      }
+      if (nan[0] | nan[1]) {  // the row's first NaN: nothing later can replace it
+        const int c = nan[0] ? __builtin_ctz(nan[0]) : 16 + __builtin_ctz(nan[1]);
+        pick = {sums[m][c], p * kPanel + c, true};
+        continue;
+      }
+      const float top = _mm512_reduce_max_ps(_mm512_max_ps(v[0], v[1]));
+      if (pick.index >= 0 && !(top > pick.value)) continue;
+      int c = 0;
+      while (sums[m][c] != top) ++c;
+      pick.value = top;
+      pick.index = p * kPanel + c;
+    }
+  };
+  for_each_amx_block(m_rows, k, n, panels, block);
+  int64_t* index = out.data_ptr<int64_t>();
+  for (int64_t m = 0; m < m_rows; ++m) {
+    Pick best;
+    for (int64_t t = 0; t < threads; ++t) {
+      const Pick& pick = picks[t * m_rows + m];
+      if (pick.index < 0) continue;
+      const bool better = best.index < 0 || (pick.nan != best.nan ? pick.nan
+                                             : pick.nan ? pick.index < best.index
+                                             : pick.value > best.value || (pick.value == best.value &&
+                                                                           pick.index < best.index));
+      if (better) best = pick;
+    }
+    index[m] = best.index;
+  }
+#endif
+  return out;
+}
+
 at::Tensor bf16_linear_bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                              const c10::optional<at::Tensor>& bias, bool bf16_out) {
   return bf16x(x, packed, n, bias, bf16_out, true);
@@ -632,8 +713,10 @@ TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("bf16_linear_bf16x(Tensor x, Tensor packed, int n, Tensor? bias, bool bf16_out) -> Tensor");
   m.def("bf16_linear_bf16x_dot(Tensor x, Tensor packed, int n, Tensor? bias, bool bf16_out) -> Tensor");
   m.def("bf16_linear_silu_mul(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("bf16_linear_argmax(Tensor x, Tensor packed, int n) -> Tensor");
   m.impl("bf16_linear_bf16x", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_bf16x));
   m.impl("bf16_linear_silu_mul", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_silu_mul));
+  m.impl("bf16_linear_argmax", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_argmax));
   m.impl("bf16_linear_bf16x_dot", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_bf16x_dot));
   m.impl("bf16_unpack", c10::DispatchKey::CPU, TORCH_FN(bf16_unpack));
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
