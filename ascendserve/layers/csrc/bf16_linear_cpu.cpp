@@ -466,17 +466,28 @@ void check_columns(const at::Tensor& x, const at::Tensor& packed, const char* op
   TORCH_CHECK(x.size(1) == 2 * packed.size(1), op, ": x has ", x.size(1), " columns, the weight ", 2 * packed.size(1));
 }
 
+// The sizes of x [M, K] and of pack_bf16's panels, after the checks the ops on them share: x a contiguous 2-D tensor
+// of `dtype` (fp32 or bf16), the pack's layout, x's K columns, n outputs within the panels.
+struct PanelShape {
+  int64_t m_rows, k, panels, kpairs;
+};
+PanelShape checked_shape(const at::Tensor& x, at::ScalarType dtype, const at::Tensor& packed, int64_t n,
+                         const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.is_contiguous(), op, ": x must be a contiguous ",
+              dtype == at::kFloat ? "fp32" : "bf16", " [M, K] tensor");
+  check_pack(packed, op, "[N/32, K/2, 32, 2]");
+  check_columns(x, packed, op);
+  ascendserve_panel::check_outputs(n, packed.size(0), kPanel, op);
+  return {x.size(0), x.size(1), packed.size(0), packed.size(1)};
+}
+
 // y = x @ W.T + b for bf16 x [M, K] (bias fp32), the fp32 sums rounded to bf16 where bf16_out, else returned as
 // they are: bf16_dot()'s tile, else x widened to fp32 (exact) through bf16_linear's tiles.
 at::Tensor bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                  bool bf16_out, bool use_amx) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "bf16_linear_bf16x: x must be a contiguous bf16 [M, K] tensor");
+  const PanelShape shape = checked_shape(x, at::kBFloat16, packed, n, "bf16_linear_bf16x");
+  [[maybe_unused]] const int64_t m_rows = shape.m_rows, k = shape.k, panels = shape.panels, kpairs = shape.kpairs;
 #if defined(ASCENDSERVE_BF16_DOT)
-  check_pack(packed, "bf16_linear_bf16x", "[N/32, K/2, 32, 2]");
-  check_columns(x, packed, "bf16_linear_bf16x");
-  const int64_t m_rows = x.size(0), k = x.size(1), panels = packed.size(0), kpairs = packed.size(1);
-  ascendserve_panel::check_outputs(n, panels, kPanel, "bf16_linear_bf16x");
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "bf16_linear_bf16x");
   at::Tensor out = at::empty({m_rows, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (m_rows == 0) return out;
@@ -558,12 +569,8 @@ at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
 // on bf16_linear_bf16x's output (the first index of the maximum, the first NaN where there is one). Greedy sampling's
 // lm_head: a 64-row Qwen3.5 decode step neither writes 64 MB of logits nor reads them back.
 at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "bf16_linear_argmax: x must be a contiguous bf16 [M, K] tensor");
-  check_pack(packed, "bf16_linear_argmax", "[N/32, K/2, 32, 2]");
-  check_columns(x, packed, "bf16_linear_argmax");
-  const int64_t m_rows = x.size(0), k = x.size(1), panels = packed.size(0), kpairs = packed.size(1);
-  ascendserve_panel::check_outputs(n, panels, kPanel, "bf16_linear_argmax");
+  const PanelShape shape = checked_shape(x, at::kBFloat16, packed, n, "bf16_linear_argmax");
+  [[maybe_unused]] const int64_t m_rows = shape.m_rows, k = shape.k, panels = shape.panels, kpairs = shape.kpairs;
   TORCH_CHECK(n > 0, "bf16_linear_argmax: n must be positive");
   TORCH_CHECK(bf16_amx() && k % 32 == 0, "bf16_linear_argmax: needs AMX and K a multiple of 32 (K=", k, ")");
   at::Tensor out = at::empty({m_rows}, x.options().dtype(at::kLong));
@@ -643,12 +650,8 @@ at::Tensor bf16_linear_bf16x_dot(const at::Tensor& x, const at::Tensor& packed, 
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                   bool portable) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "bf16_linear: x must be a contiguous fp32 [M, K] tensor");
-  check_pack(packed, "bf16_linear", "[N/32, K/2, 32, 2]");
-  check_columns(x, packed, "bf16_linear");
-  const int64_t m_rows = x.size(0), k = x.size(1), panels = packed.size(0), kpairs = packed.size(1);
-  ascendserve_panel::check_outputs(n, panels, kPanel, "bf16_linear");
+  const PanelShape shape = checked_shape(x, at::kFloat, packed, n, "bf16_linear");
+  const int64_t m_rows = shape.m_rows, k = shape.k, panels = shape.panels, kpairs = shape.kpairs;
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "bf16_linear");
   at::Tensor out = at::empty({m_rows, n}, x.options());
   if (m_rows == 0) return out;
@@ -664,7 +667,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   return out;
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                       const c10::optional<at::Tensor>& bias) {
   return linear(x, packed, n, bias, false);
 }
 
