@@ -38,9 +38,10 @@ class MRotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate q [T, Hq, D] and k [T, Hk, D]; positions [3, T] (or [T] for text only)."""
-        if positions.ndim == 1:
-            positions = positions.expand(3, -1)
-        cos, sin = self._select(self.cos_cache, positions), self._select(self.sin_cache, positions)
+        if positions.ndim == 1:  # text only: every axis has the token's position, so each slot reads that row
+            cos, sin = self.cos_cache[positions], self.sin_cache[positions]
+        else:
+            cos, sin = self._select(self.cos_cache, positions), self._select(self.sin_cache, positions)
         cos = torch.cat((cos, cos), dim=-1).to(q.dtype)[:, None, :]
         sin = torch.cat((sin, sin), dim=-1).to(q.dtype)[:, None, :]
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)

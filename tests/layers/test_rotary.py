@@ -76,3 +76,14 @@ def test_bad_inputs_are_errors_not_crashes(kernels):
         kernels.rope_neox(q, torch.tensor([0]), rope.cos_cache, rope.sin_cache)
     with pytest.raises(RuntimeError, match="rotary dim"):
         kernels.rope_neox(torch.randn(2, 4, 16), torch.tensor([0, 1]), rope.cos_cache, rope.sin_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mrope_text_positions_read_the_same_rows_as_three_equal_axes(dtype):
+    # [T] positions (text only) take each slot's row directly; [3, T] ones gather per axis: equal axes, equal bits
+    from ascendserve.layers.mrope import MRotaryEmbedding
+    rope = MRotaryEmbedding(default_inv_freq(10000.0, 64), 1.0, 512, [11, 11, 10])
+    positions = torch.tensor([0, 5, 17, 300, 511, 42])
+    q, k = torch.randn(6, 4, 256).to(dtype), torch.randn(6, 2, 256).to(dtype)
+    for a, b in zip(rope(positions, q, k), rope(positions.expand(3, -1), q, k)):
+        assert torch.equal(a, b)
