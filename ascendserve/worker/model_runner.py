@@ -166,7 +166,6 @@ class ModelRunner:
         logprobs = {i: lp for i, lp in zip(ids, out.logprobs) if lp is not None}
         return ModelRunnerOutput(dict(zip(ids, out.sampled_token_ids)), logprobs)
 
-
     def _fused_greedy(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
         """The rows' greedy tokens from the lm_head's fused argmax (Bf16Linear.argmax), where the model's logits are its
         lm_head's outputs (`greedy_from_lm_head`) and every row only takes their argmax; else None (the logits are
