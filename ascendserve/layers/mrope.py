@@ -3,6 +3,7 @@
 import torch
 from torch import nn
 
+from ascendserve.layers import cpu_kernels
 from ascendserve.layers.rotary import rotate_half
 
 
@@ -42,9 +43,21 @@ class MRotaryEmbedding(nn.Module):
             cos, sin = self.cos_cache[positions], self.sin_cache[positions]
         else:
             cos, sin = self._select(self.cos_cache, positions), self._select(self.sin_cache, positions)
-        cos = torch.cat((cos, cos), dim=-1).to(q.dtype)[:, None, :]
-        sin = torch.cat((sin, sin), dim=-1).to(q.dtype)[:, None, :]
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # [T, rotary_dim] fp32
+        if (kernels := self._cpu_op(q, k, cos)) is not None:
+            # RotaryEmbedding's op (csrc/rope_cpu.cpp) with these per-token rows as its cos / sin tables, token t
+            # reading row t: one pass per tensor (fp32 arithmetic, bf16 rounded once) for the torch form's ~20 ops
+            rows = torch.arange(cos.shape[0])
+            return kernels.rope_neox(q, rows, cos, sin), kernels.rope_neox(k, rows, cos, sin)
+        cos, sin = cos.to(q.dtype)[:, None, :], sin.to(q.dtype)[:, None, :]
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+
+    def _cpu_op(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor):
+        """The CPU op namespace for fp32 or bf16 [T, H, D] q and k (contiguous last dimension) with fp32 tables,
+        outside a compiled forward; else None."""
+        if q.dim() == k.dim() == 3 and q.stride(-1) == k.stride(-1) == 1 and q.dtype == k.dtype:
+            return cpu_kernels.float_ops(q, k, cos)
+        return None
 
     def _select(self, cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T, rotary_dim / 2]: slot i of token t is cache[positions[axis_of_slot[i], t], i]."""
