@@ -87,3 +87,21 @@ def test_mrope_text_positions_read_the_same_rows_as_three_equal_axes(dtype):
     q, k = torch.randn(6, 4, 256).to(dtype), torch.randn(6, 2, 256).to(dtype)
     for a, b in zip(rope(positions, q, k), rope(positions.expand(3, -1), q, k)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("three_axes", [False, True])
+def test_mrope_takes_the_op_and_rounds_the_fp32_rotation_once(kernels, monkeypatch, three_axes):
+    # Qwen3.5's partial rotary (64 of 256 channels) on bf16 q / k strided out of a projection, through rope_neox
+    from ascendserve.layers.mrope import MRotaryEmbedding
+    rope = MRotaryEmbedding(default_inv_freq(10000.0, 64), 1.0, 512, [11, 11, 10])
+    gen = torch.Generator().manual_seed(5)
+    fused = torch.randn(6, 6 * 256, generator=gen).bfloat16()
+    q, k = fused[:, :4 * 256].view(6, 4, 256), fused[:, 4 * 256:].view(6, 2, 256)
+    positions = torch.randint(0, 512, (3, 6) if three_axes else (6,), generator=gen)
+    calls, real_op = [], kernels.rope_neox
+    monkeypatch.setattr(kernels, "rope_neox", lambda *a: calls.append(1) or real_op(*a))
+    got_q, got_k = rope(positions, q, k)
+    assert len(calls) == 2 and got_q.dtype == torch.bfloat16 and got_q.is_contiguous()
+    exact_q, exact_k = _torch_form(rope, positions, q.float(), k.float(), monkeypatch)
+    assert torch.equal(got_q, exact_q.bfloat16()) and torch.equal(got_k, exact_k.bfloat16())
+    assert torch.equal(got_q[..., 64:], q[..., 64:])
