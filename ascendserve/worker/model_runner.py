@@ -48,18 +48,18 @@ class StateMetadata:
     rows [1..8], cu_seqlens [0, 5, 8], slots [0, 1], has_initial_state [False, True].
     """
 
-    decode_token_idx: torch.Tensor | None  # [Bd] rows of the decodes; None if there are none
-    decode_slots: torch.Tensor | None  # [Bd]
+    decode_token_idx: torch.Tensor | None = None  # [Bd] rows of the decodes; None if there are none
+    decode_slots: torch.Tensor | None = None  # [Bd]
     # (first, order) when the decode slots are exactly first..first+Bd-1; order: rows by slot, or None
-    decode_slot_block: tuple[int, torch.Tensor | None] | None
-    prefill_token_idx: torch.Tensor | None  # [Tp] rows of the prefills; None if they are all rows, in order
+    decode_slot_block: tuple[int, torch.Tensor | None] | None = None
+    prefill_token_idx: torch.Tensor | None = None  # [Tp] rows of the prefills; None if they are all rows, in order
     # Bd when a mixed step's decodes are its first Bd rows and its prefills all the rest (the scheduler's usual
     # order): the layers then take both kinds as row slices, views, not gathered copies (Qwen3.5, 2048 prefill rows:
     # aten::index copied the 8192-wide projection in 24-29 ms per layer, 18 layers a mixed step); else None
-    split_row: int | None
-    prefill_cu_seqlens: torch.Tensor | None  # [Bp + 1] over the prefill rows; None if no prefill
-    prefill_slots: torch.Tensor | None  # [Bp]
-    prefill_has_initial_state: torch.Tensor | None  # [Bp] bool
+    split_row: int | None = None
+    prefill_cu_seqlens: torch.Tensor | None = None  # [Bp + 1] over the prefill rows; None if no prefill
+    prefill_slots: torch.Tensor | None = None  # [Bp]
+    prefill_has_initial_state: torch.Tensor | None = None  # [Bp] bool
 
 
 def build_state_metadata(query_lens: list[int], start_positions: list[int], slots: list[int],
@@ -76,7 +76,7 @@ def build_state_metadata(query_lens: list[int], start_positions: list[int], slot
             prefill_rows.extend(range(row, row + q_len))
             prefill.append((q_len, slot, start > 0))
         row += q_len
-    meta = StateMetadata(None, None, None, None, None, None, None, None)
+    meta = StateMetadata()  # every field None until set below
     if decode_rows:
         meta.decode_token_idx, meta.decode_slots = as_long(decode_rows), as_long(decode_slots)
         first = min(decode_slots)
