@@ -114,14 +114,17 @@ def main() -> None:
 def print_table(rows, args) -> None:
     print(f"\n## Offline throughput ({args.num_requests} requests, lengths U[{args.min_len},{args.max_len}], "
           f"{args.dtype}, ignore_eos)\n")
+    git = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"git {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}")
+          f"git {git}")
     print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}\n")
-    print("| model | output tokens | ascendserve s | ascendserve tok/s | transformers best bs | transformers tok/s | ratio |")
+    print("| model | output tokens | ascendserve s | ascendserve tok/s | transformers best bs | transformers tok/s "
+          "| ratio |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['output_tokens']} | {r['ascendserve_s']:.1f} | {r['ascendserve_tps']:.1f} | "
-              f"{r.get('hf_best_batch', '-')} | {r.get('hf_tps', float('nan')):.1f} | {r.get('ratio', float('nan')):.2f}x |")
+              f"{r.get('hf_best_batch', '-')} | {r.get('hf_tps', float('nan')):.1f} | "
+              f"{r.get('ratio', float('nan')):.2f}x |")
 
 
 if __name__ == "__main__":

@@ -110,7 +110,8 @@ def main() -> None:
         torch.set_num_threads(ns.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median ms per layer call, "
           f"{ns.rounds} interleaved rounds")
-    cols = ["gqa", "grouped", "ws", "gather", "gather_ws"] + (["kernel", "kernel_bf16", "kernel_bf16q"] if cpu_kernels.ops() else [])
+    cols = ["gqa", "grouped", "ws", "gather", "gather_ws"]
+    cols += ["kernel", "kernel_bf16", "kernel_bf16q"] if cpu_kernels.ops() else []
     print(f"{'model':<26}{'B':>4}{'ctx':>6}" + "".join(f"{c:>12}" for c in cols) + f"{'ws/gqa':>9}  maxdiff")
     with torch.inference_mode():
         for label, (hq, hk, d) in MODELS.items():

@@ -12,7 +12,8 @@ Prints ms per call for `y = x[M, K] @ W[N, K].T` with:
 Each kernel cycles through enough copies of its weight to exceed twice the last-level cache, so the
 weights stream from DRAM as in a real decode step. Usage:
 
-    .venv/bin/python benchmarks/probe_quant_kernels.py [--rows 1,2,4,8,16,32,64] [--shapes smol|lm_head|qwen|all] [--threads N]
+    .venv/bin/python benchmarks/probe_quant_kernels.py [--rows 1,2,4,8,16,32,64] [--shapes smol|lm_head|qwen|all]
+        [--threads N]
 """
 
 import argparse

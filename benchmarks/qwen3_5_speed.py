@@ -110,7 +110,8 @@ def main() -> None:
     print("transformers", t, flush=True)
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"\n## Qwen3.5-0.8B shape, random weights, {args.dtype}\n")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, git {git}")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"git {git}")
     print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}\n")
     print("| metric | ascendserve | transformers | ratio |\n|---|---|---|---|")
     for key in a:

@@ -186,7 +186,8 @@ def sharegpt_requests(path: str, codec, num_prompts: int, output_len: int | None
         data = json.load(f)
     if not isinstance(data, list):
         raise ValueError(f"{path}: a ShareGPT file is a JSON list of {{'conversations': [...]}} entries")
-    entries = [turns[:2] for turns in map(_turns, data) if len(turns) >= 2 and all(isinstance(t, str) for t in turns[:2])]
+    entries = [turns[:2] for turns in map(_turns, data)
+               if len(turns) >= 2 and all(isinstance(t, str) for t in turns[:2])]
     np.random.default_rng(seed).shuffle(entries)
     requests = []
     for prompt, reply in entries:

@@ -97,8 +97,8 @@ def _load():
                        "and ninja, or set ASCENDSERVE_CPU_KERNELS=0 to silence this.",
                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
-    logger.info("CPU kernels (paged decode and prefill attention, fp32 GEMM, bf16, 4-bit and 8-bit weight linears, Gated "
-                "DeltaNet, SiLU-and-mul, RMSNorm, rotary, argmax) ready in %.1f s", time.perf_counter() - start)
+    logger.info("CPU kernels (paged decode and prefill attention, fp32 GEMM, bf16, 4-bit and 8-bit weight linears, "
+                "Gated DeltaNet, SiLU-and-mul, RMSNorm, rotary, argmax) ready in %.1f s", time.perf_counter() - start)
     return torch.ops.ascendserve_cpu
 
 

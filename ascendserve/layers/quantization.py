@@ -24,8 +24,9 @@ AVX512-BF16, ms per call for SmolLM2's gate_up 3072x576:
     scales); a layer with K % 64 != 0 uses 32; a layer the int4 kernel cannot take (N % 16 != 0,
     e.g. Qwen3.5's in_proj_ba with few heads) stays dense.
   - lm_head is quantized: at M=1 it is the largest single matrix (49152x576 on SmolLM2): fp32 8.2 ms,
-    int8 4.0 ms, int4 2.1 ms; it always uses the kernel (LM_HEAD_KERNEL_MAX_ROWS). With tied embeddings the embedding keeps the dense tensor,
-    so memory then grows by the quantized lm_head copy, while decode still reads fewer bytes.
+    int8 4.0 ms, int4 2.1 ms; it always uses the kernel (LM_HEAD_KERNEL_MAX_ROWS). With tied embeddings the
+    embedding keeps the dense tensor, so memory then grows by the quantized lm_head copy, while decode still reads
+    fewer bytes.
 The output always has the input's (model) dtype.
 
 int4 on a CPU with the C++ kernels (AVX-512 or AVX2 tiles), fp32 or bf16 model: `GridInt4Linear` instead (a bf16

@@ -103,6 +103,7 @@ def test_plots(outputs, tmp_path):
         r = result_json(calculate_metrics(outputs, 2.0 / c), outputs, model_id="demo", endpoint="/v1/completions",
                         base_url="http://x", num_prompts=4, request_rate=float("inf"), max_concurrency=c)
         results.append(r)
-    for path in (plot_sweep(results, str(tmp_path / "sweep.png")), plot_requests(results[0], str(tmp_path / "one.png"))):
+    plots = (plot_sweep(results, str(tmp_path / "sweep.png")), plot_requests(results[0], str(tmp_path / "one.png")))
+    for path in plots:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

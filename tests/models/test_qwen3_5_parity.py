@@ -144,7 +144,8 @@ def test_bf16_checkpoint_runs_in_fp32_from_bf16_weights(checkpoints, budget):
         assert json.load(f)["dtype"] == "bfloat16"
     llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=budget)
     model = llm.llm_engine.runner.model
-    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, Bf16Linear, DenseLinear, PackedLinear, PanelLinear))]
+    kinds = (nn.Linear, Bf16Linear, DenseLinear, PackedLinear, PanelLinear)
+    linears = [m for m in model.modules() if isinstance(m, kinds)]
     assert linears and all(isinstance(m, Bf16Linear) for m in linears), {type(m).__name__ for m in linears}
     # tied, and the lm_head now bf16 panels of its own: the fp32 table is freed
     assert isinstance(model.model.embed_tokens, Bf16Embedding)

@@ -13,8 +13,9 @@ from ascendserve.entrypoints.openai.protocol import (ChatCompletionLogProb, Chat
                                                      ChatCompletionResponseStreamChoice,
                                                      ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
                                                      UsageInfo, random_uuid)
-from ascendserve.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse, merge_async_iterators,
-                                                           run_until_disconnected, sse, sse_error)
+from ascendserve.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse,
+                                                           merge_async_iterators, run_until_disconnected, sse,
+                                                           sse_error)
 
 _MIN_LOGPROB = -9999.0
 
