@@ -144,7 +144,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         """hidden [T, H]; state = (conv pool, recurrent pool) of this layer; meta: the runner's StateMetadata."""
         qkvz, ba = self.in_proj_qkvz(hidden), self.in_proj_ba(hidden)
         if (kernels := self._cpu_kernels(qkvz, state)) is not None:
-            out = self._fused(kernels, qkvz.float(), ba.float(), state, meta)
+            out = self._fused(kernels, qkvz, ba, state, meta)
             return self.out_proj(out.to(hidden.dtype))
         mixed_qkv, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
         b, a = ba.split([self.num_v_heads, self.num_v_heads], dim=-1)
@@ -183,13 +183,16 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         return cached[1]
 
     def _fused(self, kernels, qkvz, ba, state, meta) -> torch.Tensor:
-        """Conv, delta rule and gated norm of every row by the C++ ops: [T, Hv*dv], ready for out_proj."""
+        """Conv, delta rule and gated norm of every row by the C++ ops: [T, Hv*dv] fp32, ready for out_proj. The
+        prefill op reads a bf16 model's projections as they are (widened where it reads them: 2048 rows of qkvz
+        took 2.7 ms a layer to copy to fp32); the decode op takes fp32 copies of its few rows."""
         conv_weight, a_log, dt_bias, norm_weight = self._fp32_params()
         weights = (conv_weight, *state)
         params = (a_log, dt_bias, norm_weight, self.num_k_heads, self.norm.eps)
         return _by_kind(
-            meta, qkvz.new_empty(qkvz.shape[0], self.value_dim),
-            lambda rows: kernels.gdn_decode(*_take(rows, qkvz, ba), *weights, meta.decode_slots, *params),
+            meta, qkvz.new_empty(qkvz.shape[0], self.value_dim, dtype=torch.float32),
+            lambda rows: kernels.gdn_decode(*(t.float() for t in _take(rows, qkvz, ba)), *weights, meta.decode_slots,
+                                            *params),
             lambda rows: kernels.gdn_prefill(*_take(rows, qkvz, ba), *weights, meta.prefill_cu_seqlens,
                                              meta.prefill_slots, meta.prefill_has_initial_state, *params))
 

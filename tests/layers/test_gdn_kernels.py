@@ -214,6 +214,21 @@ def test_prefill_on_a_bf16_state_pool(kernels):
     assert torch.equal(ours.ssm_pool[[1, 3]], start[[1, 3]])  # nobody's slots
 
 
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 32, 16), (1, 2, 33, 40)])
+def test_prefill_takes_bf16_projections_as_their_fp32_values(kernels, hk, hv, dk, dv):
+    # A bf16 model's qkvz and ba go in as they are: the op widens them (exactly) where it reads them, so outputs and
+    # both pools equal the op's on qkvz.float() and ba.float(); sequences shorter than the conv's window, fresh and
+    # continuing ones, and one past the 256-token segment.
+    lengths, slots, has_initial = [1, 2, 65, 300], [3, 0, 2, 1], [True, False, True, False]
+    ours, twin = Layer(hk, hv, dk, dv, num_slots=4, seed=3), Layer(hk, hv, dk, dv, num_slots=4, seed=3)
+    qkvz, ba = ours.step_inputs(sum(lengths))
+    qkvz, ba = qkvz.bfloat16(), ba.bfloat16()
+    got = ours.kernel_prefill(kernels, qkvz, ba, lengths, slots, has_initial)
+    expected = twin.kernel_prefill(kernels, qkvz.float(), ba.float(), lengths, slots, has_initial)
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+    assert torch.equal(ours.conv_pool, twin.conv_pool) and torch.equal(ours.ssm_pool, twin.ssm_pool)
+
+
 def test_bad_inputs_are_errors_not_crashes(kernels):
     layer = Layer(2, 4, 16, 16, num_slots=3, seed=0)
     qkvz, ba = layer.step_inputs(2)
@@ -233,6 +248,10 @@ def test_bad_inputs_are_errors_not_crashes(kernels):
         layer.kernel_prefill(kernels, qkvz, ba, [1], [0], [False])
     with pytest.raises(RuntimeError, match="cu_seqlens must not decrease"):
         layer.kernel_prefill(kernels, qkvz, ba, [3, -1], [0, 1], [False, False])
+    with pytest.raises(RuntimeError, match="qkvz and ba must be both fp32 or both bf16"):
+        layer.kernel_prefill(kernels, qkvz.bfloat16(), ba, [2], [0], [False])
+    with pytest.raises(RuntimeError, match="qkvz and ba must be both fp32 or both bf16"):
+        layer.kernel_prefill(kernels, qkvz.half(), ba.half(), [2], [0], [False])
 
 
 def test_layer_uses_the_op_for_fp32_and_bf16_on_cpu_with_fp32_or_bf16_state(kernels, monkeypatch):

@@ -83,9 +83,15 @@ struct Dims {
 inline Dims checked_dims(const char* op, const at::Tensor& qkvz, const at::Tensor& ba, const at::Tensor& conv_weight,
                          const at::Tensor& conv_states, const at::Tensor& ssm_states, const at::Tensor& slots,
                          const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
-                         int64_t num_k_heads) {
-  for (const at::Tensor* t : {&qkvz, &ba, &conv_weight, &conv_states, &A_log, &dt_bias, &norm_weight})
+                         int64_t num_k_heads, bool bf16_projections = false) {
+  for (const at::Tensor* t : {&conv_weight, &conv_states, &A_log, &dt_bias, &norm_weight})
     TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": fp32 tensors expected");
+  if (bf16_projections) {
+    TORCH_CHECK((qkvz.scalar_type() == at::kFloat || qkvz.scalar_type() == at::kBFloat16) &&
+                    ba.scalar_type() == qkvz.scalar_type(), op, ": qkvz and ba must be both fp32 or both bf16");
+  } else {
+    TORCH_CHECK(qkvz.scalar_type() == at::kFloat && ba.scalar_type() == at::kFloat, op, ": fp32 tensors expected");
+  }
   TORCH_CHECK(ssm_states.scalar_type() == at::kFloat || ssm_states.scalar_type() == at::kBFloat16, op,
               ": the recurrent-state pool must be fp32 or bf16");
   TORCH_CHECK(ssm_states.is_contiguous() && ssm_states.dim() == 4, op, ": contiguous pools [S, C, K-1] and "

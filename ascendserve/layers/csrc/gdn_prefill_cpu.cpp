@@ -1,7 +1,10 @@
 // Gated DeltaNet prefill for CPUs: the causal conv, the delta rule and the gated RMSNorm in one op.
 //
 // Inputs are laid out as for gdn_decode (csrc/gdn_decode_cpu.cpp): qkvz [T, C + Hv*dv] and ba [T, 2*Hv]
-// (columns contiguous), sequences packed by cu_seqlens [B+1], pools indexed by slots [B] (distinct);
+// (columns contiguous; both fp32, or both bf16 as a bf16 model's projections leave them, each value widened where it
+// is read: a separate copy to fp32 took 2.7 ms a layer at 2048 rows, and the op then read twice the bytes; Qwen3.5's
+// 8 x 256 bf16 prefill in-process 1625-1658 -> 1553-1609 ms), sequences packed by cu_seqlens [B+1], pools indexed by
+// slots [B] (distinct);
 // has_initial [B] False means the sequence starts from zero conv and recurrent states, whatever its
 // slot holds. Per token, as transformers' torch_recurrent_gated_delta_rule (and gdn_decode) computes:
 //   q, k = l2norm(x_q), l2norm(x_k) (eps 1e-6), q *= dk^-0.5;  decay = exp(g)
@@ -159,19 +162,30 @@ void recur_block(int64_t dk, int64_t nc, int64_t len, const TokenInputs& in, con
 // hardware prefetcher does not follow, so the rows kAhead tokens on are asked for while this one is worked on.
 constexpr int64_t kAhead = 8;
 
-__attribute__((always_inline)) inline void prefetch_floats(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_values(const T* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(T)) __builtin_prefetch(p + i, 0, 3);
+}
+
+// dst[0 .. n) = src[0 .. n) as fp32 (bf16 widened: exact).
+template <typename T>
+inline void widen_into(const T* src, int64_t n, float* dst) {
+  using ascendserve_bf16::to_float;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
 // The causal conv's inputs: its weights transposed, taps [K][C], and each sequence's window before its first
 // token, context [b][K-1][C] (its conv state, oldest first, or zeros without an initial state). A copy of the old
-// states, so that the work items may write the new ones while others still read the old.
+// states, so that the work items may write the new ones while others still read the old. In: qkvz's element type
+// (fp32, or bf16 as a bf16 model's projection leaves it).
+template <typename In>
 struct ConvInputs {
   std::vector<float> taps, context;
-  const float* qkvz;
+  const In* qkvz;
   int64_t qkvz_stride, hist, channels;
   const int64_t* cu;
-  ConvInputs(const float* qkvz_, int64_t qkvz_stride_, const float* weight, int64_t width, const float* states,
+  ConvInputs(const In* qkvz_, int64_t qkvz_stride_, const float* weight, int64_t width, const float* states,
              const int64_t* cu_, const int64_t* slots, const bool* has_initial, int64_t batch, int64_t channels_)
       : taps(width * channels_), context(batch * (width - 1) * channels_), qkvz(qkvz_), qkvz_stride(qkvz_stride_),
         hist(width - 1), channels(channels_), cu(cu_) {
@@ -182,16 +196,35 @@ struct ConvInputs {
         for (int64_t j = 0; j < hist; ++j)
           context[(b * hist + j) * channels + c] = has_initial[b] ? states[(slots[b] * channels + c) * hist + j] : 0.f;
   }
-  // The conv input row of sequence b's token p (p < 0: its state column hist + p).
+  // Sequence b's token p's row of qkvz (p >= 0), and the context row of its state column hist + p (p < 0).
+  const In* token(int64_t b, int64_t p) const { return qkvz + (cu[b] + p) * qkvz_stride; }
+  const float* context_row(int64_t b, int64_t p) const { return context.data() + (b * hist + hist + p) * channels; }
+  // The conv input row of token p as fp32 where qkvz is fp32 (p < 0: its state column hist + p).
   const float* row(int64_t b, int64_t p) const {
-    return p >= 0 ? qkvz + (cu[b] + p) * qkvz_stride : context.data() + (b * hist + hist + p) * channels;
+    static_assert(std::is_same_v<In, float>, "a bf16 qkvz is widened into a ring of rows (gdn_prefill)");
+    return p >= 0 ? token(b, p) : context_row(b, p);
+  }
+  // dst[c0 .. c0 + n) = channels [c0, c0 + n) of token p's conv input, as fp32.
+  void widen(int64_t b, int64_t p, int64_t c0, int64_t n, float* dst) const {
+    if (p >= 0) {
+      widen_into(token(b, p) + c0, n, dst + c0);
+    } else {
+      std::copy(context_row(b, p) + c0, context_row(b, p) + c0 + n, dst + c0);
+    }
   }
   // Sequence b's new state (its last K-1 inputs, old state columns included when it is shorter) for channels
   // [c0, c0 + n), into its slot's state [C][K-1].
   void keep(int64_t b, int64_t len, int64_t c0, int64_t n, float* state) const {
+    using ascendserve_bf16::to_float;
     for (int64_t j = 0; j < hist; ++j) {
-      const float* in = row(b, len - hist + j);
-      for (int64_t c = c0; c < c0 + n; ++c) state[c * hist + j] = in[c];
+      const int64_t p = len - hist + j;
+      if (p >= 0) {
+        const In* in = token(b, p);
+        for (int64_t c = c0; c < c0 + n; ++c) state[c * hist + j] = to_float(in[c]);
+      } else {
+        const float* in = context_row(b, p);
+        for (int64_t c = c0; c < c0 + n; ++c) state[c * hist + j] = in[c];
+      }
     }
   }
 };
@@ -202,7 +235,7 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
                        const at::Tensor& dt_bias, const at::Tensor& norm_weight, int64_t num_k_heads,
                        double norm_eps) {
   const Dims d = checked_dims("gdn_prefill", qkvz, ba, conv_weight, conv_states, ssm_states, slots, A_log, dt_bias,
-                              norm_weight, num_k_heads);
+                              norm_weight, num_k_heads, true);
   const int64_t num_tokens = qkvz.size(0), batch = slots.numel(), width = d.width;
   TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous() && cu_seqlens.numel() == batch + 1 &&
               has_initial.scalar_type() == at::kBool && has_initial.is_contiguous() && has_initial.numel() == batch,
@@ -211,12 +244,8 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
   TORCH_CHECK(cu[0] == 0 && cu[batch] == num_tokens, "gdn_prefill: cu_seqlens must run from 0 to T");
   for (int64_t b = 0; b < batch; ++b) TORCH_CHECK(cu[b + 1] >= cu[b], "gdn_prefill: cu_seqlens must not decrease");
 
-  const ConvInputs conv(qkvz.data_ptr<float>(), qkvz.stride(0), conv_weight.data_ptr<float>(), width,
-                        conv_states.data_ptr<float>(), cu, slot, has_initial.data_ptr<bool>(), batch, d.channels);
   float* conv_pool = conv_states.data_ptr<float>();
-
-  at::Tensor out = at::empty({num_tokens, d.value_dim}, qkvz.options());
-  const float *bas = ba.data_ptr<float>(), *zs = qkvz.data_ptr<float>() + d.channels;
+  at::Tensor out = at::empty({num_tokens, d.value_dim}, qkvz.options().dtype(at::kFloat));
   const float *a_log = A_log.data_ptr<float>(), *dt = dt_bias.data_ptr<float>(), *nw = norm_weight.data_ptr<float>();
   const bool* initial = has_initial.data_ptr<bool>();
   float* o_all = out.data_ptr<float>();
@@ -224,15 +253,25 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
   const float eps = static_cast<float>(norm_eps);
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, cu[b + 1] - cu[b]);
-  auto run = [&](auto* pool) {  // float* or at::BFloat16*: the recurrent-state pool's element type
+  // pool: float* or at::BFloat16*, the recurrent-state pool's element type; qkvz_ptr and ba_ptr fp32 or bf16
+  auto run = [&](auto* pool, const auto* qkvz_ptr, const auto* ba_ptr) {
     using S = std::remove_pointer_t<decltype(pool)>;
+    using In = std::remove_cv_t<std::remove_pointer_t<decltype(qkvz_ptr)>>;
     using ascendserve_bf16::from_float;
     using ascendserve_bf16::to_float;
+    const ConvInputs<In> conv(qkvz_ptr, qkvz_stride, conv_weight.data_ptr<float>(), width,
+                              conv_states.data_ptr<float>(), cu, slot, has_initial.data_ptr<bool>(), batch,
+                              d.channels);
+    const In *bas = ba_ptr, *zs = qkvz_ptr + d.channels;
     at::parallel_for(0, batch * d.hv, 1, [&](int64_t begin, int64_t end) {
       FlushDenormals flush;
       TokenInputs in(std::min(max_len, kSegment), d.dk, d.dv);
       AlignedFloats block(d.dk * kCols);
       std::vector<const float*> window(width);
+      // bf16 inputs: the conv's last `width` rows widened, token p in row (p + hist) % width (the head's q, k and v
+      // channels only, at their columns), and a z row
+      constexpr bool kWiden = !std::is_same_v<In, float>;
+      std::vector<float> ring(kWiden ? width * d.channels : 0), z_row(kWiden ? d.dv : 0);
       const int64_t group = d.hv / d.hk;
       const float scale = 1.f / std::sqrt(static_cast<float>(d.dk));
       for (int64_t item = begin; item < end; ++item) {
@@ -252,21 +291,32 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
           const int64_t first = t0 + s0, count = std::min(kSegment, len - s0);
           for (int64_t r = 0; r < count; ++r) {  // the conv of the head's channels, q and k normed
             if (s0 + r + kAhead < len) {
-              const float* ahead = conv.row(b, s0 + r + kAhead);
-              prefetch_floats(ahead + q_at, d.dk);
-              prefetch_floats(ahead + k_at, d.dk);
-              prefetch_floats(ahead + v_at, d.dv);
+              const In* ahead = conv.token(b, s0 + r + kAhead);
+              prefetch_values(ahead + q_at, d.dk);
+              prefetch_values(ahead + k_at, d.dk);
+              prefetch_values(ahead + v_at, d.dv);
             }
-            for (int64_t j = 0; j < width; ++j) window[j] = conv.row(b, s0 + r - conv.hist + j);
+            if constexpr (kWiden) {
+              const int64_t p = s0 + r;
+              for (int64_t t = p == 0 ? -conv.hist : p; t <= p; ++t) {  // the context rows before the first token
+                float* dst = ring.data() + (t + conv.hist) % width * d.channels;
+                conv.widen(b, t, q_at, d.dk, dst);
+                conv.widen(b, t, k_at, d.dk, dst);
+                conv.widen(b, t, v_at, d.dv, dst);
+              }
+              for (int64_t j = 0; j < width; ++j) window[j] = ring.data() + (p + j) % width * d.channels;
+            } else {
+              for (int64_t j = 0; j < width; ++j) window[j] = conv.row(b, s0 + r - conv.hist + j);
+            }
             float *q = in.q.data() + r * d.dk, *k = in.k.data() + r * d.dk;
             conv_silu(window.data(), width, conv.taps.data(), d.channels, q_at, d.dk, q);
             l2norm_into(q, d.dk, scale, q);
             conv_silu(window.data(), width, conv.taps.data(), d.channels, k_at, d.dk, k);
             l2norm_into(k, d.dk, 1.f, k);
             conv_silu(window.data(), width, conv.taps.data(), d.channels, v_at, d.dv, in.v.data() + r * d.dv);
-            const float* bar = bas + (first + r) * ba_stride;
-            in.beta[r] = 1.f / (1.f + std::exp(-bar[h]));
-            in.decay[r] = std::exp(-a_scale * softplus(bar[d.hv + h] + dt[h]));
+            const In* bar = bas + (first + r) * ba_stride;
+            in.beta[r] = 1.f / (1.f + std::exp(-to_float(bar[h])));
+            in.decay[r] = std::exp(-a_scale * softplus(to_float(bar[d.hv + h]) + dt[h]));
           }
           for (int64_t j0 = 0; j0 < d.dv; j0 += kCols) {  // the block in, the segment's tokens, the block back
             const int64_t nc = std::min(kCols, d.dv - j0);
@@ -285,20 +335,32 @@ at::Tensor gdn_prefill(const at::Tensor& qkvz, const at::Tensor& ba, const at::T
             }
           }
           for (int64_t r = 0; r < count; ++r) {  // gated RMSNorm of each output row
-            const float* z = zs + (first + r) * qkvz_stride + h * d.dv;
-            if (r + kAhead < count) prefetch_floats(z + kAhead * qkvz_stride, d.dv);
+            const In* z = zs + (first + r) * qkvz_stride + h * d.dv;
+            if (r + kAhead < count) prefetch_values(z + kAhead * qkvz_stride, d.dv);
             float* o = o_all + (first + r) * d.value_dim + h * d.dv;
             std::copy(in.o.data() + r * d.dv, in.o.data() + (r + 1) * d.dv, o);
-            gated_rms_norm(o, z, nw, d.dv, eps);
+            if constexpr (kWiden) {
+              widen_into(z, d.dv, z_row.data());
+              gated_rms_norm(o, z_row.data(), nw, d.dv, eps);
+            } else {
+              gated_rms_norm(o, z, nw, d.dv, eps);
+            }
           }
         }
       }
     });
   };
+  auto with_inputs = [&](auto* pool) {
+    if (qkvz.scalar_type() == at::kBFloat16) {
+      run(pool, qkvz.data_ptr<at::BFloat16>(), ba.data_ptr<at::BFloat16>());
+    } else {
+      run(pool, qkvz.data_ptr<float>(), ba.data_ptr<float>());
+    }
+  };
   if (ssm_states.scalar_type() == at::kBFloat16)
-    run(ssm_states.data_ptr<at::BFloat16>());
+    with_inputs(ssm_states.data_ptr<at::BFloat16>());
   else
-    run(ssm_states.data_ptr<float>());
+    with_inputs(ssm_states.data_ptr<float>());
   return out;
 }
 
