@@ -1,12 +1,11 @@
 // Gated DeltaNet prefill for CPUs: the causal conv, the delta rule and the gated RMSNorm in one op.
 //
-// Inputs are laid out as for gdn_decode (csrc/gdn_decode_cpu.cpp): qkvz [T, C + Hv*dv] and ba [T, 2*Hv]
-// (columns contiguous; both fp32, or both bf16 as a bf16 model's projections leave them, each value widened where it
-// is read: a separate copy to fp32 took 2.7 ms a layer at 2048 rows, and the op then read twice the bytes; Qwen3.5's
-// 8 x 256 bf16 prefill in-process 1625-1658 -> 1553-1609 ms), sequences packed by cu_seqlens [B+1], pools indexed by
-// slots [B] (distinct);
-// has_initial [B] False means the sequence starts from zero conv and recurrent states, whatever its
-// slot holds. Per token, as transformers' torch_recurrent_gated_delta_rule (and gdn_decode) computes:
+// Inputs are laid out as for gdn_decode (csrc/gdn_decode_cpu.cpp): qkvz [T, C + Hv*dv] and ba [T, 2*Hv] (columns
+// contiguous), sequences packed by cu_seqlens [B+1], pools indexed by slots [B] (distinct); has_initial [B] False
+// means the sequence starts from zero conv and recurrent states, whatever its slot holds. qkvz and ba are both fp32,
+// or both bf16 as a bf16 model's projections leave them, each value widened where it is read (a separate copy to fp32
+// took 2.7 ms a layer at 2048 rows, and the op then read twice the bytes; Qwen3.5's 8 x 256 bf16 prefill in-process:
+// 1625-1658 -> 1553-1609 ms). Per token, as transformers' torch_recurrent_gated_delta_rule (and gdn_decode) computes:
 //   q, k = l2norm(x_q), l2norm(x_k) (eps 1e-6), q *= dk^-0.5;  decay = exp(g)
 //   delta = beta (v - decay S^T k);  S = decay S + k delta^T;  o = S^T q
 // then out = norm(o) * norm_weight * silu(z). Everything is computed in fp32; the recurrent-state pool may be bf16
