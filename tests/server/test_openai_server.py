@@ -57,6 +57,10 @@ def test_tokenize_detokenize_roundtrip(server):
         chat = http.post("/tokenize", json={"messages": CHAT}).json()
         completion = server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
         assert chat["count"] == completion.usage.prompt_tokens
+        # each body is checked against its own model: no field of it is reported as ignored
+        assert "ignored: ['prompt']" not in server.read_log() and "ignored: ['messages']" not in server.read_log()
+        missing = http.post("/tokenize", json={"text": "Hello"})
+        assert missing.status_code == 400 and "prompt" in missing.text
 
 
 # -- completions and chat -----------------------------------------------------------------------------

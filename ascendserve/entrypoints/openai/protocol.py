@@ -2,9 +2,9 @@
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from ascendserve.logger import init_logger
 
@@ -430,7 +430,14 @@ class TokenizeChatRequest(OpenAIBaseModel):
     return_token_strs: bool | None = False
 
 
-TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+def _tokenize_kind(body: Any) -> str:
+    """"chat" for a /tokenize body with messages, else "prompt": the one model it is validated against (a plain union
+    tried both, and the chat model's check logged `prompt` as an ignored field on every prompt request)."""
+    return "chat" if (body.get("messages") if isinstance(body, dict) else hasattr(body, "messages")) else "prompt"
+
+
+TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("prompt")]
+                            | Annotated[TokenizeChatRequest, Tag("chat")], Discriminator(_tokenize_kind)]
 
 
 class TokenizeResponse(OpenAIBaseModel):
