@@ -1,0 +1,235 @@
+"""The CUDA path against transformers: Qwen3.5 (dense, MoE, composite VL) and Llama on tiny random checkpoints, on a GPU.
+
+The same references as tests/models (transformers' fp32 model on the CPU, greedy, one prompt at a time) and the same
+engine paths: mixed batches, chunked prefill at budgets that do and do not align with the delta rule's chunks, prefix
+cache hits, recompute preemption, requests joining while others decode, async scheduling, compiled and eager; then bf16
+and the real server process. Every model tensor, cache and state pool must live on the GPU.
+
+Skipped where torch sees no CUDA device (CI, laptops); run on a GPU machine with
+`python -m pytest tests/cuda` (benchmarks/cuda_run.sh does, before the GPU benchmark). ASCENDSERVE_TEST_DEVICE names
+another device for the same tests (`npu`; `cpu` checks the tests themselves where no accelerator is at hand).
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from ascendserve import LLM, SamplingParams
+from ascendserve.config import EngineArgs
+from ascendserve.engine.llm_engine import LLMEngine
+from ascendserve.platforms import get_platform
+from tests.models.reference import check_outputs, hf_greedy, make_prompts, randomize_
+from tests.models.test_qwen3_5_parity import LENGTHS, MAX_NEW, VOCAB, _assert_clean, _assert_near_reference, build
+
+DEVICE = os.environ.get("ASCENDSERVE_TEST_DEVICE", "cuda")
+
+
+def _available(device: str) -> bool:
+    try:
+        return get_platform(device) is not None
+    except ValueError:  # not available in this process
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _available(DEVICE), reason=f"no {DEVICE} device: its path is not run here")
+
+# A tokenizer directory for the server test (tests/fixtures/qwen3_5_tokenizer.py builds one; the GPU machine cannot
+# fetch its ranks, so benchmarks/cuda_run.sh carries a built copy and names it here).
+TOKENIZER_ENV = "ASCENDSERVE_TEST_QWEN3_5_TOKENIZER"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """kind -> (path, prompts, transformers' CPU fp32 references), built on first use."""
+    cache = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            model = build(kind)
+            path = tmp_path_factory.mktemp(kind)
+            if kind == "dense-bf16":
+                model.to(torch.bfloat16).save_pretrained(path)
+                model.float()
+            else:
+                model.save_pretrained(path)
+            prompts = make_prompts(VOCAB, LENGTHS, seed=2)
+            cache[kind] = str(path), prompts, [hf_greedy(model, p, MAX_NEW) for p in prompts]
+        return cache[kind]
+    return get
+
+
+def _llm(path, dtype="float32", **engine_args):
+    return LLM(path, skip_tokenizer_init=True, dtype=dtype, device=DEVICE, **engine_args)
+
+
+def _params(**kwargs):
+    return SamplingParams(**{"temperature": 0, "max_tokens": MAX_NEW, "logprobs": 0, "ignore_eos": True, **kwargs})
+
+
+def _generate(llm, prompts, params=None):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params or _params(), use_tqdm=False)
+
+
+def _assert_on_device(engine) -> None:
+    runner = engine.runner
+    assert runner.device.type == DEVICE
+    tensors = [*runner.model.parameters(), *runner.model.buffers(), *runner.kv_caches]
+    tensors += [t for pair in runner.state_caches or [] for t in pair]
+    assert tensors and all(t.device.type == DEVICE for t in tensors), {str(t.device) for t in tensors}
+
+
+@pytest.mark.parametrize("kind,budget,enforce_eager", [("dense", 16, True), ("dense", 100, True),
+                                                       ("dense", 100, False), ("moe", 48, True), ("vl", 100, True)])
+def test_qwen3_5_matches_transformers(checkpoints, kind, budget, enforce_eager):
+    path, prompts, refs = checkpoints(kind)
+    llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=budget, enforce_eager=enforce_eager)
+    _assert_on_device(llm.llm_engine)
+    check_outputs(_generate(llm, prompts), refs)
+    _assert_clean(llm.llm_engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_qwen3_5_preemption(checkpoints, async_scheduling):
+    path, prompts, refs = checkpoints("dense")
+    order = [LENGTHS.index(n) for n in (300, 7, 1, 130, 65, 64)]
+    prompts, refs = [prompts[i] for i in order], [refs[i] for i in order]
+    llm = _llm(path, num_gpu_blocks_override=78, block_size=4, max_model_len=312, async_scheduling=async_scheduling,
+               enforce_eager=True)
+    check_outputs(_generate(llm, prompts), refs)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    _assert_clean(llm.llm_engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_qwen3_5_requests_join_while_others_decode(checkpoints, async_scheduling):
+    path, prompts, refs = checkpoints("dense")
+    engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(
+        path, skip_tokenizer_init=True, dtype="float32", device=DEVICE, num_gpu_blocks_override=256,
+        max_num_batched_tokens=40, max_num_seqs=3, async_scheduling=async_scheduling, enforce_eager=True))
+    arrivals = {0: [3, 0], 2: [5], 4: [1, 4], 9: [2]}  # step -> prompts added before it
+    outputs, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i in arrivals.get(step, []):
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, _params())
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        step += 1
+    check_outputs([outputs[str(i)] for i in range(len(prompts))], refs)
+    _assert_clean(engine)
+
+
+@pytest.mark.parametrize("budget", [48, 1024])
+def test_qwen3_5_bf16(checkpoints, budget):
+    # --dtype bfloat16 on the GPU (what --dtype auto picks there) against transformers' fp32 model of the same bf16
+    # weights: logprobs within 0.15 until a reference step whose best two were under 0.5 apart. The CPU's bf16 path
+    # stays within 0.1 (its Gated DeltaNet widens to fp32); the H200's bf16 GEMMs and torch ops drifted 0.105 at
+    # budget 48 (2026-12-04), so 0.1 would fail on rounding alone while a wrong value still drifts by far more.
+    path, prompts, refs = checkpoints("dense-bf16")
+    llm = _llm(path, dtype="bfloat16", num_gpu_blocks_override=256, max_num_batched_tokens=budget, enforce_eager=True)
+    _assert_on_device(llm.llm_engine)
+    _assert_near_reference(_generate(llm, prompts), refs, max_drift=0.15, min_gap=0.5)
+    _assert_clean(llm.llm_engine)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="--dtype auto on a CPU depends on its bf16 support")
+def test_qwen3_5_auto_dtype_is_bf16_on_the_accelerator(checkpoints):
+    path, _, _ = checkpoints("dense")  # an fp32 checkpoint: --dtype auto narrows it to bf16 on a GPU, as vLLM does
+    llm = LLM(path, skip_tokenizer_init=True, device=DEVICE, num_gpu_blocks_override=64, enforce_eager=True)
+    assert llm.llm_engine.config.dtype == torch.bfloat16
+
+
+LLAMA_NEW = 12  # long enough that the preemption test's requests outgrow their 78 blocks
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                         tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize_(model, seed=1)
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path)
+    prompts = make_prompts(VOCAB, [1, 7, 16, 17, 64, 100, 255, 300], seed=2)
+    prompts += make_prompts(VOCAB, [40, 90, 130], seed=3, shared_prefix=35)
+    return str(path), prompts, [hf_greedy(model, p, LLAMA_NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_llama_chunked_prefill_and_prefix_cache(llama, async_scheduling):
+    path, prompts, refs = llama
+    llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=48, enable_prefix_caching=True,
+               async_scheduling=async_scheduling, enforce_eager=True)
+    _assert_on_device(llm.llm_engine)
+    check_outputs(_generate(llm, prompts, _params(max_tokens=LLAMA_NEW)), refs)
+    again = _generate(llm, prompts, _params(max_tokens=LLAMA_NEW))  # every full block of every prompt is now cached
+    assert max(o.num_cached_tokens for o in again) >= 288
+    check_outputs(again, refs)
+    _assert_clean_pool(llm)
+
+
+def test_llama_preemption_compiled(llama):
+    path, prompts, refs = llama
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    prompts, refs = [prompts[i] for i in order], [refs[i] for i in order]
+    llm = _llm(path, num_gpu_blocks_override=78, block_size=4, max_model_len=312, enable_prefix_caching=False,
+               enforce_eager=False)
+    check_outputs(_generate(llm, prompts, _params(max_tokens=LLAMA_NEW)), refs)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    _assert_clean_pool(llm)
+
+
+def test_sampling_on_the_gpu(llama):
+    # seeded sampling, top-k / top-p and logprobs run on the GPU's logits: the same seed gives the same tokens
+    path, prompts, _ = llama
+    llm = _llm(path, num_gpu_blocks_override=256, enforce_eager=True)
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=MAX_NEW, seed=7, logprobs=3,
+                            ignore_eos=True)
+    first, second = _generate(llm, prompts[:4], params), _generate(llm, prompts[:4], params)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+    assert all(len(o.outputs[0].logprobs) == MAX_NEW for o in first)
+    _assert_clean_pool(llm)
+
+
+def _assert_clean_pool(llm):
+    free, cached, in_use = llm.llm_engine.kv_cache_manager.pool.counts()
+    assert in_use == 0 and free + cached == llm.llm_engine.kv_cache_manager.num_blocks
+
+
+def test_server_on_the_gpu(tmp_path):
+    # The real `ascendserve serve` process on CUDA, a tiny random Qwen3.5 with the Qwen3.5 tokenizer, through the
+    # official client: a chat completion, a streamed one, and /metrics.
+    tokenizer = os.environ.get(TOKENIZER_ENV)
+    if not tokenizer:
+        from tests.fixtures.qwen3_5_tokenizer import build_qwen3_5_tokenizer
+        tokenizer = build_qwen3_5_tokenizer()
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+    from tests.models.test_qwen3_5_parity import TEXT
+    from tests.server.utils import RemoteServer
+    config = Qwen3_5TextConfig(**{**TEXT, "vocab_size": 248320}, intermediate_size=128, tie_word_embeddings=True,
+                               architectures=["Qwen3_5ForCausalLM"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    for name in os.listdir(tokenizer):
+        if not name.startswith("."):
+            shutil.copy(os.path.join(tokenizer, name), tmp_path)
+    server = RemoteServer([str(tmp_path), "--device", DEVICE, "--served-model-name", "tiny", "--max-model-len", "512",
+                           "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser",
+                           "qwen3_coder", "--api-key", "sk-ascendserve-test"])
+    try:
+        client = server.client()
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                               max_tokens=8, temperature=0)
+        assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason in ("length", "stop")
+        chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=8, temperature=0, stream=True))
+        assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
+        import httpx
+        metrics = httpx.get(server.url + "/metrics").text
+        assert "vllm:generation_tokens_total" in metrics
+    finally:
+        server.stop()
