@@ -69,6 +69,9 @@ class EngineArgs:
     # bit-exact.
     mamba_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "auto"
+    # vLLM's compilation config; read: cudagraph_mode (FULL_DECODE_ONLY, FULL or FULL_AND_PIECEWISE capture pure decode
+    # steps as CUDA graphs: worker/decode_graphs.py; unset or NONE: eager) and cudagraph_capture_sizes
+    compilation_config: dict[str, Any] | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -108,6 +111,7 @@ class EngineArgs:
             raise ValueError(f"arrival_window_ms must be in [0, {MAX_ARRIVAL_WINDOW_MS}], got {self.arrival_window_ms}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check_compilation_config(self.compilation_config)
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size must be 1 for now (parallelism is not implemented "
                              f"yet), got {self.tensor_parallel_size}")
@@ -131,6 +135,29 @@ def _check_kv_cache_dtype(value) -> None:
         raise ValueError(f"kv_cache_dtype {value!r} is not supported: fp8 KV caches are not implemented; "
                          f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}")
     raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {value!r}")
+
+
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
+def _check_compilation_config(value) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError(f"compilation_config must be a JSON object such as {{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}}, "
+                         f"got {value!r}")
+    mode = value.get("cudagraph_mode", "NONE")
+    if not isinstance(mode, str) or mode.upper() not in CUDAGRAPH_MODES:
+        raise ValueError(f"compilation_config cudagraph_mode must be one of {list(CUDAGRAPH_MODES)}, got {mode!r}")
+    sizes = value.get("cudagraph_capture_sizes")
+    if sizes is not None and (not isinstance(sizes, list) or not sizes
+                              or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)):
+        raise ValueError(f"compilation_config cudagraph_capture_sizes must be a list of positive batch sizes, "
+                         f"got {sizes!r}")
+    ignored = sorted(set(value) - {"cudagraph_mode", "cudagraph_capture_sizes"})
+    if ignored:
+        logger.warning("compilation_config keys %s are accepted but have no effect: only cudagraph_mode and "
+                       "cudagraph_capture_sizes are read (what torch.compile covers is fixed: compilation.py)", ignored)
 
 
 def _check_positive(name: str, value: int | None) -> None:

@@ -7,7 +7,7 @@ from --demo-dir) and Qwen3.5-0.8B's shape (benchmarks/qwen3_5_speed.py) with the
 (--qwen-tokenizer). benchmarks/cuda_run.sh runs this on the lent GPU machine:
 
     python benchmarks/cuda_bench.py --work /tmp/cuda-bench --demo-dir .gpu/demo --qwen-tokenizer .gpu/qwen3_5_tokenizer \
-        --out $OUT [--models demo,qwen35] [--concurrency 1,8,16,64,256] [--stages inprocess,hf,served]
+        --out $OUT [--models qwen35,demo] [--concurrency 1,8,16,64,256] [--stages graphs,compiled,eager,hf,served]
 
 `--device cpu` with `--tiny` runs the same code on small shapes (a check of the script, not a measurement).
 In-process figures: output tok/s = C x 128 / the time of the whole batch; decode tok/s = C x 127 / (that time less
@@ -30,6 +30,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 PROMPT_LEN, OUTPUT_LEN = 256, 128
+STAGES = ("graphs", "compiled", "eager", "hf", "served-graphs", "served")
+GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
             linear_value_head_dim=16)
@@ -43,7 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qwen-tokenizer", required=True, help="a Qwen3.5 tokenizer directory (tests/fixtures)")
     p.add_argument("--models", default="qwen35,demo")
     p.add_argument("--concurrency", default="1,8,16,64,256")
-    p.add_argument("--stages", default="inprocess,hf,served")
+    p.add_argument("--stages", default=",".join(STAGES),
+                   help=f"any of {', '.join(STAGES)} (graphs: compilation_config cudagraph_mode FULL_DECODE_ONLY; "
+                        f"served-graphs: the server with it)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="small shapes: checks the script, measures nothing")
     return p.parse_args(argv)
@@ -144,10 +148,11 @@ def prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 # -- ascendserve in-process ------------------------------------------------------------------------------------------
-def inprocess(path: Path, levels: list[int], device: str, eager: bool, vocab: int) -> dict:
+def inprocess(path: Path, levels: list[int], device: str, eager: bool, vocab: int, graphs: bool = False) -> dict:
     from ascendserve import LLM, SamplingParams
     start = time.perf_counter()
     llm = LLM(str(path), skip_tokenizer_init=True, dtype="bfloat16", device=device, enforce_eager=eager,
+              compilation_config=GRAPHS if graphs else None,
               max_model_len=PROMPT_LEN + OUTPUT_LEN + 16, kv_cache_memory_bytes=8 << 30, max_num_seqs=max(levels),
               max_num_batched_tokens=8192)
     load_s = time.perf_counter() - start
@@ -170,7 +175,8 @@ def inprocess(path: Path, levels: list[int], device: str, eager: bool, vocab: in
         first, whole = timed(batch, 1), timed(batch, OUTPUT_LEN)
         result["levels"][c] = {"output_tok_s": c * OUTPUT_LEN / whole, "decode_tok_s": c * (OUTPUT_LEN - 1) / (whole - first),
                                "prefill_s": first, "total_s": whole}
-        print(f"  ascendserve {'eager' if eager else 'compiled'} C={c}: {result['levels'][c]}", flush=True)
+        print(f"  ascendserve {'graphs' if graphs else 'eager' if eager else 'compiled'} C={c}: "
+              f"{result['levels'][c]}", flush=True)
     del llm
     _free(device)
     return result
@@ -207,32 +213,36 @@ def hf_generate(path: Path, levels: list[int], device: str, vocab: int) -> dict:
 
 
 # -- served ----------------------------------------------------------------------------------------------------------
-def served(path: Path, name: str, levels: list[int], device: str, out: Path) -> dict:
-    """`ascendserve serve` on the device, measured by `ascendserve bench serve` at each level (max(8, 2C) prompts)."""
+def served(path: Path, name: str, levels: list[int], device: str, work: Path, graphs: bool = False) -> dict:
+    """`ascendserve serve` on the device, measured by `ascendserve bench serve` at each level (max(8, 2C) prompts).
+    Result files and the server's log go under `work` (what comes back from the GPU machine is a few files); the
+    log's last lines are printed when the stage ends."""
     from tests.server.utils import free_port
-    port = free_port()
-    log = open(out / f"server-{name}.log", "w")
+    port, tag = free_port(), f"{name}-graphs" if graphs else name
+    files = work / f"served-{tag}"
+    files.mkdir(parents=True, exist_ok=True)
+    log = open(files / "server.log", "w")
     cmd = [sys.executable, "-m", "ascendserve.cli.main", "serve", str(path), "--host", "127.0.0.1", "--port",
            str(port), "--device", device, "--dtype", "bfloat16", "--served-model-name", name, "--max-num-seqs",
            str(max(levels)), "--max-model-len", "1024", "--kv-cache-memory-bytes", str(8 << 30),
            "--max-num-batched-tokens", "8192", "--uvicorn-log-level", "warning"]
+    cmd += ["--compilation-config", json.dumps(GRAPHS)] if graphs else []
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     result = {"command": " ".join(cmd[2:]), "levels": {}}
     try:
         _wait_health(proc, port)
         base = ["--base-url", f"http://127.0.0.1:{port}", "--model", name, "--dataset", "random",
                 "--random-input-len", str(PROMPT_LEN), "--ignore-eos", "--disable-tqdm", "--save-result",
-                "--result-dir", str(out)]
-        for c in levels:  # a warm-up at each level first (compiles that batch size), then the measured run
+                "--result-dir", str(files)]
+        for c in levels:  # a warm-up at each level first (compiles / captures that batch size), then the measured run
             _bench(base + ["--random-output-len", "8", "--num-prompts", str(c), "--max-concurrency", str(c),
-                           "--seed", "99", "--result-filename", f"warm-{name}-c{c}.json"])
-            n = max(8, 2 * c)
-            res = _bench(base + ["--random-output-len", str(OUTPUT_LEN), "--num-prompts", str(n),
-                                 "--max-concurrency", str(c), "--seed", str(c),
-                                 "--result-filename", f"served-{name}-c{c}.json"], out / f"served-{name}-c{c}.json")
+                           "--seed", "99", "--result-filename", f"warm-c{c}.json"])
+            res = _bench(base + ["--random-output-len", str(OUTPUT_LEN), "--num-prompts", str(max(8, 2 * c)),
+                                 "--max-concurrency", str(c), "--seed", str(c), "--result-filename", f"c{c}.json"],
+                         files / f"c{c}.json")
             result["levels"][c] = {k: res[k] for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms",
                                                        "completed", "failed", "num_prompts")}
-            print(f"  served C={c}: {result['levels'][c]}", flush=True)
+            print(f"  served{' graphs' if graphs else ''} C={c}: {result['levels'][c]}", flush=True)
     finally:
         proc.terminate()
         try:
@@ -240,6 +250,9 @@ def served(path: Path, name: str, levels: list[int], device: str, out: Path) -> 
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        kept = [line for line in (files / "server.log").read_text(errors="replace").splitlines()
+                if "Received request" not in line and "Avg prompt throughput" not in line]
+        print("  server log, last lines:\n    " + "\n    ".join(kept[-8:]), flush=True)
     return result
 
 
@@ -278,37 +291,44 @@ def _free(device: str) -> None:
 
 # -- the report ------------------------------------------------------------------------------------------------------
 def report(results: dict) -> str:
+    """A table per model: each in-process mode's output / decode tok/s, transformers', the best of ours over
+    transformers', and each served mode's output tok/s / TTFT p50 / TPOT p50; then single stream against the
+    roofline."""
     lines = []
     dev = results.get("device", {})
     if dev:
         lines.append(f"{dev['gpu']}, {dev['sms']} SMs, {dev['memory_gib']:.0f} GiB; torch {dev['torch']} (CUDA "
                      f"{dev['cuda']}); copy {dev['copy_gb_s']:.0f} GB/s, bf16 matmul {dev['bf16_tflop_s']:.0f} "
                      f"TFLOP/s")
+    inprocess_keys, served_keys = ("graphs", "compiled", "eager", "hf"), ("served-graphs", "served")
     for name, r in results["models"].items():
         bw = dev.get("copy_gb_s")
         roof = bw * 1e9 / r["decode_weight_bytes"] if bw else None
         lines.append(f"\n{name}: {r['decode_weight_bytes'] / 1e9:.2f} GB of weights per decode step"
                      + (f"; single-stream roofline {roof:.0f} tok/s" if roof else ""))
-        lines.append("| C | ascendserve compiled out / decode tok/s | eager out / decode | transformers out / decode "
-                     "| ours / transformers (out) | served out tok/s / TTFT p50 / TPOT p50 ms |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| C | " + " | ".join(f"{k} out / decode tok/s" for k in inprocess_keys) + " | best ours / hf | "
+                     + " | ".join(f"{k} out tok/s / TTFT / TPOT ms" for k in served_keys) + " |")
+        lines.append("|---" * (len(inprocess_keys) + len(served_keys) + 2) + "|")
         for c in results["levels"]:
-            cells = []
-            for key in ("compiled", "eager"):
-                x = r.get(key, {}).get("levels", {}).get(c)
-                cells.append(f"{x['output_tok_s']:.0f} / {x['decode_tok_s']:.0f}" if x else "-")
-            h = r.get("hf", {}).get(c)
-            cells.append(f"{h['output_tok_s']:.0f} / {h['decode_tok_s']:.0f}" if h else "-")
-            ours = r.get("compiled", {}).get("levels", {}).get(c)
-            cells.append(f"{ours['output_tok_s'] / h['output_tok_s']:.2f}x" if ours and h else "-")
-            s = r.get("served", {}).get("levels", {}).get(c)
-            cells.append(f"{s['output_throughput']:.0f} / {s['median_ttft_ms']:.0f} / {s['median_tpot_ms']:.1f}"
-                         if s else "-")
+            runs = {k: (r[k] if k == "hf" else r[k].get("levels", {})).get(c) for k in inprocess_keys
+                    if isinstance(r.get(k), dict) and "error" not in r[k]}
+            cells = [f"{x['output_tok_s']:.1f} / {x['decode_tok_s']:.1f}" if (x := runs.get(k)) else "-"
+                     for k in inprocess_keys]
+            ours = max((runs[k]["output_tok_s"] for k in inprocess_keys[:3] if runs.get(k)), default=None)
+            cells.append(f"{ours / runs['hf']['output_tok_s']:.2f}x" if ours and runs.get("hf") else "-")
+            for k in served_keys:
+                x = r.get(k, {}).get("levels", {}).get(c)
+                cells.append(f"{x['output_throughput']:.1f} / {x['median_ttft_ms']:.0f} / {x['median_tpot_ms']:.1f}"
+                             if x else "-")
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
-        one = r.get("compiled", {}).get("levels", {}).get(1)
-        if one and roof:
-            lines.append(f"single-stream decode {one['decode_tok_s']:.0f} tok/s = {one['decode_tok_s'] / roof:.1%} "
-                         f"of the roofline")
+        for k in inprocess_keys[:3]:
+            one = r.get(k, {}).get("levels", {}).get(1) if isinstance(r.get(k), dict) else None
+            if one and roof:
+                lines.append(f"{k}: single-stream decode {one['decode_tok_s']:.1f} tok/s = "
+                             f"{one['decode_tok_s'] / roof:.1%} of the roofline")
+        for k, v in r.items():
+            if isinstance(v, dict) and "error" in v:
+                lines.append(f"{k} failed: {v['error']}")
     return "\n".join(lines)
 
 
@@ -319,19 +339,24 @@ def main(argv=None) -> int:
     Path(ns.work).mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in ns.concurrency.split(",")]
     stages = set(ns.stages.split(","))
+    if stages - set(STAGES):
+        raise SystemExit(f"--stages: unknown {sorted(stages - set(STAGES))}; choose from {', '.join(STAGES)}")
     results = {"device": ceilings(ns.device), "levels": levels, "models": {}}
     print(json.dumps(results["device"]), flush=True)
     for name, path in build_models(ns).items():
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         r = results["models"][name] = {"decode_weight_bytes": decode_weight_bytes(path)}
-        stage_runs = [("compiled", "inprocess", lambda: inprocess(path, levels, ns.device, False, vocab)),
-                      ("eager", "inprocess", lambda: inprocess(path, [c for c in levels if c in (1, 64)] or levels,
-                                                               ns.device, True, vocab)),
-                      ("hf", "hf", lambda: hf_generate(path, [c for c in levels if c <= 64], ns.device, vocab)),
-                      ("served", "served", lambda: served(path, name, [c for c in levels if c <= 64], ns.device,
-                                                          out))]
-        for key, stage, run in stage_runs:
-            if stage not in stages:
+        low = [c for c in levels if c <= 64]
+        stage_runs = {
+            "graphs": lambda: inprocess(path, levels, ns.device, False, vocab, graphs=True),
+            "compiled": lambda: inprocess(path, levels, ns.device, False, vocab),
+            "eager": lambda: inprocess(path, [c for c in levels if c in (1, 64)] or levels, ns.device, True, vocab),
+            "hf": lambda: hf_generate(path, low, ns.device, vocab),
+            "served-graphs": lambda: served(path, name, low, ns.device, Path(ns.work), graphs=True),
+            "served": lambda: served(path, name, low, ns.device, Path(ns.work)),
+        }
+        for key, run in stage_runs.items():
+            if key not in stages:
                 continue
             print(f"{name}: {key}", flush=True)
             start = time.perf_counter()

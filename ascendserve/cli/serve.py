@@ -36,8 +36,6 @@ NO_EFFECT_FLAGS = {
     "--headless": ({"action": "store_true"}, "there are no remote engines to run headless"),
     "--pipeline-parallel-size": ({"type": int}, "pipeline parallelism is not implemented"),
     "--enable-expert-parallel": ({"action": "store_true"}, "expert parallelism is not implemented"),
-    "--compilation-config": ({"type": None}, "its keys are not read (no graph capture); what is compiled is "
-                             "fixed (see ascendserve/compilation.py) and --enforce-eager turns it off"),
     "--additional-config": ({"type": None}, "no platform plugin reads it"),
     "--speculative-config": ({"type": None}, "speculative decoding (MTP) is not implemented"),
     "--mamba-cache-mode": ({}, "the recurrent-state cache has one mode"),
@@ -91,6 +89,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--hf-overrides", type=_json_flag("--hf-overrides"), default=None)
+    p.add_argument("--compilation-config", type=_json_flag("--compilation-config"), default=None,
+                   help='cudagraph_mode FULL_DECODE_ONLY (or FULL, FULL_AND_PIECEWISE) captures decode steps as CUDA '
+                        'graphs on a GPU, e.g. \'{"cudagraph_mode":"FULL_DECODE_ONLY"}\'; other keys have no effect')
     p.add_argument("--reasoning-parser", default=None)
     p.add_argument("--tool-call-parser", default=None)
     p.add_argument("--enable-auto-tool-choice", action="store_true")

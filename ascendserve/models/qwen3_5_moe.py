@@ -38,6 +38,9 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     [E, H, I], the BF16 releases) or per expert (`mlp.experts.{e}.gate_proj.weight`, ...).
     """
 
+    # the experts' token counts are read on the host to slice each expert's rows: no captured decode graphs
+    decode_graph_safe = False
+
     @staticmethod
     def make_mlp(config) -> nn.Module:
         return Qwen3_5SparseMoeBlock(config)

@@ -11,6 +11,7 @@ from ascendserve.engine.scheduler import SchedulerOutput
 from ascendserve.layers.attention import build_attention_metadata
 from ascendserve.logger import init_logger
 from ascendserve.platforms.cpu import advise_huge_pages
+from ascendserve.worker.decode_graphs import DecodeGraphs, capture_sizes, decode_graphs_wanted
 from ascendserve.worker.sampler import LogprobsRow, Sampler, SamplingRow, plain_greedy_without_logprobs
 
 logger = init_logger(__name__)
@@ -104,14 +105,21 @@ class ModelRunner:
         self.block_size = config.args.block_size
         self.num_blocks = num_blocks
         self.sampler = Sampler(seed=config.args.seed)
-        self.kv_caches = allocate_kv_caches(model.kv_cache_spec(), num_blocks, self.block_size,
+        # Decode graphs write their padding rows to one KV block and one state slot past the managed ones (scratch).
+        graphs = decode_graphs_wanted(config) and _graph_safe(model)
+        self.kv_caches = allocate_kv_caches(model.kv_cache_spec(), num_blocks + graphs, self.block_size,
                                             config.kv_cache_dtype, self.device)
         # Hybrid models (Gated DeltaNet): one state slot per running request, max_num_seqs slots.
         self.num_state_slots = config.max_num_seqs if is_hybrid(model) else 0
         self.state_caches = None
         if self.num_state_slots:
-            self.state_caches = allocate_state_caches(state_cache_spec(model, config), self.num_state_slots,
+            self.state_caches = allocate_state_caches(state_cache_spec(model, config), self.num_state_slots + graphs,
                                                       config.dtype, self.device)
+        self.decode_graphs = None
+        if graphs:
+            sizes = capture_sizes(config.max_num_seqs, config.args.compilation_config.get("cudagraph_capture_sizes"))
+            self.decode_graphs = DecodeGraphs(self, sizes, config.max_model_len, scratch_block=num_blocks,
+                                              scratch_state_slot=self.num_state_slots if self.num_state_slots else None)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One forward pass over every scheduled token, then sampling for the finishing rows."""
@@ -149,12 +157,14 @@ class ModelRunner:
     def execute(self, step: PreparedStep) -> ModelRunnerOutput:
         """Run a prepared step: the forward pass over its token ids, then sampling."""
         tokens = [t for s in step.sched.scheduled for t in s.token_ids]
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        if self.state_caches is None:
-            hidden = self.model(input_ids, step.positions, self.kv_caches, step.attn_meta)
-        else:
-            hidden = self.model(input_ids, step.positions, self.kv_caches, step.attn_meta,
-                                self.state_caches, step.state_meta)
+        hidden = self.decode_graphs.run(step.sched, tokens) if self.decode_graphs is not None else None
+        if hidden is None:  # not a pure decode step a graph takes (or no graphs): the model, eagerly
+            input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            if self.state_caches is None:
+                hidden = self.model(input_ids, step.positions, self.kv_caches, step.attn_meta)
+            else:
+                hidden = self.model(input_ids, step.positions, self.kv_caches, step.attn_meta,
+                                    self.state_caches, step.state_meta)
         if not step.logits_rows:
             return ModelRunnerOutput({}, {})
         hidden, rows = hidden[step.logits_rows], [row for _, row in step.sampling]
@@ -199,6 +209,16 @@ def _zeros_on_huge_pages(shape, dtype: torch.dtype, device: torch.device) -> tor
     if device.type == "cpu" and tensor.numel():
         advise_huge_pages(tensor)
     return tensor.zero_()
+
+
+def _graph_safe(model: torch.nn.Module) -> bool:
+    """Whether a decode step of the model can be captured: its forward reads nothing back to the host (MoE routing
+    does: `decode_graph_safe = False`); one line says so where graphs were asked for."""
+    if getattr(model, "decode_graph_safe", True):
+        return True
+    logger.warning("%s reads values back to the host in its forward (expert routing): decode steps run eagerly "
+                   "despite cudagraph_mode", type(model).__name__)
+    return False
 
 
 def is_hybrid(model: torch.nn.Module) -> bool:

@@ -21,8 +21,9 @@ from ascendserve import LLM, SamplingParams
 from ascendserve.config import EngineArgs
 from ascendserve.engine.llm_engine import LLMEngine
 from ascendserve.platforms import get_platform
-from tests.models.reference import check_outputs, hf_greedy, make_prompts, randomize_
-from tests.models.test_qwen3_5_parity import LENGTHS, MAX_NEW, VOCAB, _assert_clean, _assert_near_reference, build
+from tests.models.reference import check_outputs, generate_with_arrivals, hf_greedy, make_prompts, randomize_
+from tests.models.test_qwen3_5_parity import (LENGTHS, MAX_NEW, VOCAB, _assert_clean, _assert_near_reference,
+                                              checkpoint_cache)
 
 DEVICE = os.environ.get("ASCENDSERVE_TEST_DEVICE", "cuda")
 
@@ -43,22 +44,7 @@ TOKENIZER_ENV = "ASCENDSERVE_TEST_QWEN3_5_TOKENIZER"
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """kind -> (path, prompts, transformers' CPU fp32 references), built on first use."""
-    cache = {}
-
-    def get(kind: str):
-        if kind not in cache:
-            model = build(kind)
-            path = tmp_path_factory.mktemp(kind)
-            if kind == "dense-bf16":
-                model.to(torch.bfloat16).save_pretrained(path)
-                model.float()
-            else:
-                model.save_pretrained(path)
-            prompts = make_prompts(VOCAB, LENGTHS, seed=2)
-            cache[kind] = str(path), prompts, [hf_greedy(model, p, MAX_NEW) for p in prompts]
-        return cache[kind]
-    return get
+    return checkpoint_cache(tmp_path_factory)
 
 
 def _llm(path, dtype="float32", **engine_args):
@@ -109,14 +95,7 @@ def test_qwen3_5_requests_join_while_others_decode(checkpoints, async_scheduling
     engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(
         path, skip_tokenizer_init=True, dtype="float32", device=DEVICE, num_gpu_blocks_override=256,
         max_num_batched_tokens=40, max_num_seqs=3, async_scheduling=async_scheduling, enforce_eager=True))
-    arrivals = {0: [3, 0], 2: [5], 4: [1, 4], 9: [2]}  # step -> prompts added before it
-    outputs, step = {}, 0
-    while step <= max(arrivals) or engine.has_unfinished_requests():
-        for i in arrivals.get(step, []):
-            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, _params())
-        outputs.update({o.request_id: o for o in engine.step() if o.finished})
-        step += 1
-    check_outputs([outputs[str(i)] for i in range(len(prompts))], refs)
+    check_outputs(generate_with_arrivals(engine, prompts, _params()), refs)
     _assert_clean(engine)
 
 
@@ -145,13 +124,17 @@ LLAMA_NEW = 12  # long enough that the preemption test's requests outgrow their 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
+    return build_llama(tmp_path_factory.mktemp("llama"))
+
+
+def build_llama(path) -> tuple[str, list[list[int]], list]:
+    """A tiny random Llama saved at `path`, its prompts (three with a shared prefix) and transformers' references."""
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                          tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize_(model, seed=1)
-    path = tmp_path_factory.mktemp("llama")
     model.save_pretrained(path)
     prompts = make_prompts(VOCAB, [1, 7, 16, 17, 64, 100, 255, 300], seed=2)
     prompts += make_prompts(VOCAB, [40, 90, 130], seed=3, shared_prefix=35)
@@ -192,6 +175,28 @@ def test_sampling_on_the_gpu(llama):
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
     assert all(len(o.outputs[0].logprobs) == MAX_NEW for o in first)
     _assert_clean_pool(llm)
+
+
+@pytest.mark.parametrize("kind", ["dense", "vl", "llama"])
+def test_decode_graphs(checkpoints, llama, kind):
+    # compilation_config cudagraph_mode FULL_DECODE_ONLY: pure decode steps replay captured graphs (batch buckets 1, 2,
+    # 4, 6; requests joining and finishing change the bucket), the rest runs eagerly; token for token as transformers.
+    graphs_config = {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    if kind == "llama":
+        path, prompts, refs = llama
+        llm = _llm(path, num_gpu_blocks_override=256, compilation_config=graphs_config, max_num_seqs=6)
+        check_outputs(_generate(llm, prompts, _params(max_tokens=LLAMA_NEW)), refs)
+        engine = llm.llm_engine
+    else:
+        path, prompts, refs = checkpoints(kind)
+        engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(
+            path, skip_tokenizer_init=True, dtype="float32", device=DEVICE, num_gpu_blocks_override=256,
+            max_num_batched_tokens=40, max_num_seqs=6, compilation_config=graphs_config))
+        check_outputs(generate_with_arrivals(engine, prompts, _params()), refs)
+        _assert_clean(engine)
+    graphs = engine.runner.decode_graphs
+    assert graphs.num_replays > 0 and graphs.graphs and (graphs.capture or DEVICE == "cpu")  # cpu: the eager stand-in
+    assert all((graph is not None) == graphs.capture for graph, _ in graphs.graphs.values())
 
 
 def _assert_clean_pool(llm):

@@ -72,3 +72,19 @@ def check_outputs(outputs, refs) -> None:
         completion = out.outputs[0]
         assert completion.finish_reason == "length"
         assert_matches(ref, completion.token_ids, completion.logprobs)
+
+
+# Requests arriving between steps while others decode: step -> the prompts added before it. Later requests reuse the
+# state slots and blocks earlier ones freed when the engine has few.
+ARRIVALS = {0: [3, 0], 2: [5], 4: [1, 4], 9: [2]}
+
+
+def generate_with_arrivals(engine, prompts: list[list[int]], params, arrivals: dict = ARRIVALS) -> list:
+    """Step `engine` (an LLMEngine) until every prompt added per `arrivals` finished; their outputs in prompt order."""
+    outputs, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i in arrivals.get(step, []):
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params)
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        step += 1
+    return [outputs[str(i)] for i in range(len(prompts))]

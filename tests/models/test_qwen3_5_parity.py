@@ -29,7 +29,7 @@ from ascendserve.layers.mrope import MRotaryEmbedding, interleaved_axis_of_slots
 from ascendserve.models import qwen3_5
 from ascendserve.worker.kv_budget import KVCacheTooSmallError
 from ascendserve.worker.model_runner import build_state_metadata
-from tests.models.reference import check_outputs, hf_greedy, make_prompts
+from tests.models.reference import check_outputs, generate_with_arrivals, hf_greedy, make_prompts
 
 VOCAB = 512
 MAX_NEW = 8
@@ -85,6 +85,12 @@ def build(kind: str):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """kind -> (path, prompts, transformers references), each built on first use."""
+    return checkpoint_cache(tmp_path_factory)
+
+
+def checkpoint_cache(tmp_path_factory):
+    """A function kind -> (path, prompts, transformers' CPU fp32 references) that builds each kind once (the
+    `checkpoints` fixture of this module and of the other engine-path tests)."""
     cache = {}
 
     def get(kind: str):
@@ -256,15 +262,9 @@ def test_requests_join_while_others_decode(checkpoints, kind, async_scheduling):
     engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(
         path, skip_tokenizer_init=True, dtype="float32", num_gpu_blocks_override=256,
         max_num_batched_tokens=40, max_num_seqs=3, async_scheduling=async_scheduling))
-    arrivals = {0: [3, 0], 2: [5], 4: [1, 4], 9: [2]}  # step -> prompts added before it
-    outputs, step = {}, 0
-    while step <= max(arrivals) or engine.has_unfinished_requests():
-        for i in arrivals.get(step, []):
-            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, _params())
-        outputs.update({o.request_id: o for o in engine.step() if o.finished})
-        step += 1
+    outputs = generate_with_arrivals(engine, prompts, _params())
     assert engine.state_cache_manager.num_slots == 3
-    check_outputs([outputs[str(i)] for i in range(len(prompts))], refs)
+    check_outputs(outputs, refs)
     _assert_clean(engine)
 
 

@@ -68,12 +68,11 @@ def test_ascend_line_parses_and_warns_once_per_inert_flag(started, warnings):
     ns, args = started["ns"], started["args"]
     assert args.enable_prefix_caching is False and args.block_size == 128 and args.seed == 1024
     assert args.async_scheduling
-    assert ns.compilation_config == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert ns.compilation_config == args.compilation_config == {"cudagraph_mode": "FULL_DECODE_ONLY"}  # read now
     assert ns.additional_config == {"enable_cpu_binding": True, "enable_fused_mc2": 1}
     assert ns.limit_mm_per_prompt == {"image": 2} and ns.max_logprobs == 10
     assert ns.allowed_origins == [["http://a"]] and started["chat_template"] == "{{ messages }}"
-    inert = ["--enable-expert-parallel", "--quantization", "--speculative-config", "--compilation-config",
-             "--additional-config", "--allowed-local-media-path", "--limit-mm-per-prompt",
+    inert = ["--enable-expert-parallel", "--quantization", "--speculative-config", "--additional-config", "--allowed-local-media-path", "--limit-mm-per-prompt",
              "--skip-mm-profiling", "--worker-use-ray", "--distributed-executor-backend"]
     for flag in inert:
         assert sum(m.startswith(flag + " ") for m in warnings) == 1, (flag, warnings)
