@@ -178,7 +178,8 @@ class DecodeGraphs:
                 self._forward(rows, blocks)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: CUDA calls of other threads (the server's) do not break this thread's capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._forward(rows, blocks)
         self._pool = graph.pool()
         logger.info("Captured the decode graph of %d rows x %d blocks", rows, blocks)
