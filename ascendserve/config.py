@@ -144,8 +144,8 @@ def _check_compilation_config(value) -> None:
     if value is None:
         return
     if not isinstance(value, dict):
-        raise ValueError(f"compilation_config must be a JSON object such as {{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}}, "
-                         f"got {value!r}")
+        raise ValueError(f"compilation_config must be a JSON object such as "
+                         f"{{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}}, got {value!r}")
     mode = value.get("cudagraph_mode", "NONE")
     if not isinstance(mode, str) or mode.upper() not in CUDAGRAPH_MODES:
         raise ValueError(f"compilation_config cudagraph_mode must be one of {list(CUDAGRAPH_MODES)}, got {mode!r}")

@@ -6,8 +6,9 @@ Models (random weights in bf16, so nothing is downloaded): the demo's shape (Smo
 from --demo-dir) and Qwen3.5-0.8B's shape (benchmarks/qwen3_5_speed.py) with the Qwen3.5 tokenizer fixture
 (--qwen-tokenizer). benchmarks/cuda_run.sh runs this on the lent GPU machine:
 
-    python benchmarks/cuda_bench.py --work /tmp/cuda-bench --demo-dir .gpu/demo --qwen-tokenizer .gpu/qwen3_5_tokenizer \
-        --out $OUT [--models qwen35,demo] [--concurrency 1,8,16,64,256] [--stages graphs,compiled,eager,hf,served]
+    python benchmarks/cuda_bench.py --work /tmp/cuda-bench --demo-dir .gpu/demo \
+        --qwen-tokenizer .gpu/qwen3_5_tokenizer --out $OUT [--models qwen35,demo] [--concurrency 1,8,16,64,256] \
+        [--stages graphs,compiled,eager,hf,served-graphs,served]
 
 `--device cpu` with `--tiny` runs the same code on small shapes (a check of the script, not a measurement).
 In-process figures: output tok/s = C x 128 / the time of the whole batch; decode tok/s = C x 127 / (that time less
@@ -173,8 +174,9 @@ def inprocess(path: Path, levels: list[int], device: str, eager: bool, vocab: in
     for c in levels:
         batch = prompts(c, vocab, c)
         first, whole = timed(batch, 1), timed(batch, OUTPUT_LEN)
-        result["levels"][c] = {"output_tok_s": c * OUTPUT_LEN / whole, "decode_tok_s": c * (OUTPUT_LEN - 1) / (whole - first),
-                               "prefill_s": first, "total_s": whole}
+        result["levels"][c] = {"output_tok_s": c * OUTPUT_LEN / whole,
+                               "decode_tok_s": c * (OUTPUT_LEN - 1) / (whole - first), "prefill_s": first,
+                               "total_s": whole}
         print(f"  ascendserve {'graphs' if graphs else 'eager' if eager else 'compiled'} C={c}: "
               f"{result['levels'][c]}", flush=True)
     del llm

@@ -88,7 +88,7 @@ class DecodeGraphs:
         self._pool = None
         self.num_replays = 0
         logger.info("Decode steps as %s: batch buckets %s, block buckets up to %d (captured on first use)",
-                    "CUDA graphs" if self.capture else "static-buffer replays (no capture: EAGER_ENV)",
+                    "CUDA graphs" if self.capture else f"static-buffer replays (no capture: {EAGER_ENV})",
                     sizes, self.max_blocks)
 
     def bucket(self, num_rows: int, num_blocks: int) -> tuple[int, int] | None:

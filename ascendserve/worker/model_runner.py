@@ -107,13 +107,14 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.args.seed)
         # Decode graphs write their padding rows to one KV block and one state slot past the managed ones (scratch).
         graphs = decode_graphs_wanted(config) and _graph_safe(model)
-        self.kv_caches = allocate_kv_caches(model.kv_cache_spec(), num_blocks + graphs, self.block_size,
+        scratch = 1 if graphs else 0
+        self.kv_caches = allocate_kv_caches(model.kv_cache_spec(), num_blocks + scratch, self.block_size,
                                             config.kv_cache_dtype, self.device)
         # Hybrid models (Gated DeltaNet): one state slot per running request, max_num_seqs slots.
         self.num_state_slots = config.max_num_seqs if is_hybrid(model) else 0
         self.state_caches = None
         if self.num_state_slots:
-            self.state_caches = allocate_state_caches(state_cache_spec(model, config), self.num_state_slots + graphs,
+            self.state_caches = allocate_state_caches(state_cache_spec(model, config), self.num_state_slots + scratch,
                                                       config.dtype, self.device)
         self.decode_graphs = None
         if graphs:

@@ -1,4 +1,4 @@
-"""The CUDA path against transformers: Qwen3.5 (dense, MoE, composite VL) and Llama on tiny random checkpoints, on a GPU.
+"""The CUDA path against transformers: Qwen3.5 (dense, MoE, composite VL) and Llama, tiny random checkpoints, on a GPU.
 
 The same references as tests/models (transformers' fp32 model on the CPU, greedy, one prompt at a time) and the same
 engine paths: mixed batches, chunked prefill at budgets that do and do not align with the delta rule's chunks, prefix
