@@ -1,6 +1,8 @@
 """AsyncLLM: the synchronous LLMEngine driven by a background thread, with one asyncio queue per request.
 
 Threading model (the invariant that keeps it simple): ONLY the engine thread touches the LLMEngine.
+That thread is the engine's model thread (so a step runs the model with no hand-off), or, with
+--async-scheduling (whose steps overlap on the model thread), a thread of its own.
 The asyncio side talks to it through a FIFO inbox of commands (add, abort) and gets results back
 through `loop.call_soon_threadsafe`. Because the inbox is FIFO, an abort sent after an add is always
 applied after it, so a request cancelled while its add is still queued is still aborted, and its
@@ -79,9 +81,20 @@ class AsyncLLM:
         self._pending_adds = 0  # adds sent but not yet counted by a snapshot
         self._num_added = 0  # engine thread: adds applied since the last snapshot
         self._lock = threading.Lock()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="ascendserve-engine", daemon=True)
-        self._thread.start()
+        self._stopping = threading.Event()  # set by shutdown(), or when the interpreter exits
+        # The loop runs on the engine's model thread where the engine offers it (then step() calls the model
+        # directly, with no hand-off), else on a daemon thread of its own.
+        start = getattr(engine, "run_loop_on_model_thread", None)
+        self._loop = start(self._run) if start is not None else None
+        self._thread = None
+        if self._loop is None:
+            self._thread = threading.Thread(target=self._run, name="ascendserve-engine", daemon=True)
+            self._thread.start()
+        else:
+            # The model thread is no daemon: the interpreter's exit joins it, so the loop must end by then even if
+            # shutdown() was never called. threading's exit hooks run just before that join (concurrent.futures
+            # stops its own workers with one); this one holds the two events, not the engine.
+            threading._register_atexit(_set_all, self._stopping, self._wake)
 
     @classmethod
     def from_engine_args(cls, args, metrics=None) -> "AsyncLLM":
@@ -142,10 +155,15 @@ class AsyncLLM:
         self._send(_Abort(request_id))
 
     def shutdown(self) -> None:
-        """Stop the engine thread after the current step."""
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=30)
+        """Stop the engine loop after the current step, and wait for it (at most 30 s)."""
+        _set_all(self._stopping, self._wake)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            return
+        try:
+            self._loop.result(timeout=30)
+        except Exception:  # a loop that raised or still runs; a thread would have printed its error itself
+            logger.exception("The engine loop did not end cleanly")
 
     def _send(self, command) -> None:
         self._inbox.put(command)
@@ -153,8 +171,10 @@ class AsyncLLM:
 
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop:
-            self._wake.clear()
+        while True:
+            self._wake.clear()  # before the checks: a stop or a command that comes after them ends the idle wait
+            if self._stopping.is_set():
+                break
             try:
                 self._iterate()
             except BaseException as e:  # the engine state is unknown now: fail everything
@@ -192,7 +212,7 @@ class AsyncLLM:
             return
         deadline = time.monotonic() + ARRIVAL_WINDOW_CAP * self.arrival_window_s
         seen = self._inbox.qsize()
-        while not self._stop and time.monotonic() < deadline:
+        while not self._stopping.is_set() and time.monotonic() < deadline:
             time.sleep(self.arrival_window_s)
             if self._inbox.qsize() == seen:
                 return
@@ -336,6 +356,11 @@ class RequestStream:
 def _by_index(output: RequestOutput, n: int) -> list:
     found = {c.index: c for c in output.outputs}
     return [found.get(i) for i in range(n)]
+
+
+def _set_all(*events: threading.Event) -> None:
+    for event in events:
+        event.set()
 
 
 def _deliver(items: list) -> None:

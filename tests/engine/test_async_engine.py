@@ -1,6 +1,8 @@
 """AsyncLLM: per-request queues over one engine thread; cancellation aborts; loop errors reach every caller."""
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -230,3 +232,63 @@ def test_arrival_window_zero_steps_at_once(monkeypatch):
 def test_arrival_window_out_of_range_is_refused(value):
     with pytest.raises(ValueError, match=r"arrival_window_ms must be in \[0, 1000\]"):
         EngineArgs(arrival_window_ms=value).validate()
+
+
+# -- which thread runs the loop -----------------------------------------------------------------------
+
+def test_the_loop_steps_on_the_model_thread_with_no_hand_off(llm, monkeypatch):
+    # Without --async-scheduling the loop runs on the engine's model thread: step() calls the model there directly.
+    engine, threads, handed_over = llm.engine, [], []
+    execute, submit = engine.runner.execute_model, engine._model_thread.submit
+
+    def spy(sched):
+        threads.append(threading.current_thread().name)
+        return execute(sched)
+    monkeypatch.setattr(engine.runner, "execute_model", spy)
+    monkeypatch.setattr(engine._model_thread, "submit", lambda *a: handed_over.append(a) or submit(*a))
+    _, ids, _ = asyncio.run(collect(llm, "The sky is", greedy(4, ignore_eos=True), "on-the-model-thread"))
+    assert len(ids) == 4 and handed_over == [] and llm._thread is None
+    assert {name.rsplit("_", 1)[0] for name in threads} == {"ascendserve-model"}
+
+
+def test_with_async_scheduling_the_loop_keeps_its_own_thread(llm):
+    # Its steps overlap on the model thread, so the loop cannot run there; same tokens as the synchronous loop.
+    overlapped = AsyncLLM.from_engine_args(EngineArgs(max_model_len=1024, kv_cache_memory_bytes=64 * 2**20,
+                                                      max_num_seqs=8, async_scheduling=True))
+    try:
+        assert overlapped._thread.name == "ascendserve-engine" and overlapped._loop is None
+        expected = asyncio.run(collect(llm, "One, two, three,", greedy(8, ignore_eos=True), "sync"))[:2]
+        got = asyncio.run(collect(overlapped, "One, two, three,", greedy(8, ignore_eos=True), "overlapped"))[:2]
+        assert got == expected and len(got[1]) == 8
+    finally:
+        overlapped.shutdown()
+    assert not overlapped._thread.is_alive()
+
+
+def test_the_interpreter_exits_while_the_loop_runs_on_the_model_thread():
+    # The model thread is no daemon and the interpreter's exit joins it: the loop must stop by then, also when
+    # shutdown() was never called and a request is still running.
+    script = """if True:
+        import asyncio
+        from ascendserve.config import EngineArgs
+        from ascendserve.engine.async_engine import AsyncLLM
+        from ascendserve.engine.sampling_params import SamplingParams
+        llm = AsyncLLM.from_engine_args(EngineArgs(max_model_len=1024, kv_cache_memory_bytes=64 * 2**20))
+        assert llm._loop is not None
+        params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+        asyncio.run(llm.add_request("left-running", "Once upon a time", params))
+        print("exiting", flush=True)
+    """
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        log = []
+        for line in proc.stdout:  # loading the demo model takes ~30 s on 2 busy cores
+            log.append(line)
+            if line.startswith("exiting"):
+                break
+        assert proc.wait(timeout=30) == 0, "".join(log[-20:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
