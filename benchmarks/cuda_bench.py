@@ -8,7 +8,7 @@ from --demo-dir) and Qwen3.5-0.8B's shape (benchmarks/qwen3_5_speed.py) with the
 
     python benchmarks/cuda_bench.py --work /tmp/cuda-bench --demo-dir .gpu/demo \
         --qwen-tokenizer .gpu/qwen3_5_tokenizer --out $OUT [--models qwen35,demo] [--concurrency 1,8,16,64,256] \
-        [--stages graphs,compiled,eager,hf,served-graphs,served]
+        [--stages graphs,served-graphs,compiled,hf,served,eager]
 
 `--device cpu` with `--tiny` runs the same code on small shapes (a check of the script, not a measurement).
 In-process figures: output tok/s = C x 128 / the time of the whole batch; decode tok/s = C x 127 / (that time less
@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 PROMPT_LEN, OUTPUT_LEN = 256, 128
-STAGES = ("graphs", "compiled", "eager", "hf", "served-graphs", "served")
+STAGES = ("graphs", "served-graphs", "compiled", "hf", "served", "eager")  # in the order they run: the newest first
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -351,11 +351,11 @@ def main(argv=None) -> int:
         low = [c for c in levels if c <= 64]
         stage_runs = {
             "graphs": lambda: inprocess(path, levels, ns.device, False, vocab, graphs=True),
-            "compiled": lambda: inprocess(path, levels, ns.device, False, vocab),
-            "eager": lambda: inprocess(path, [c for c in levels if c in (1, 64)] or levels, ns.device, True, vocab),
-            "hf": lambda: hf_generate(path, low, ns.device, vocab),
             "served-graphs": lambda: served(path, name, low, ns.device, Path(ns.work), graphs=True),
+            "compiled": lambda: inprocess(path, levels, ns.device, False, vocab),
+            "hf": lambda: hf_generate(path, low, ns.device, vocab),
             "served": lambda: served(path, name, low, ns.device, Path(ns.work)),
+            "eager": lambda: inprocess(path, [c for c in levels if c in (1, 64)] or levels, ns.device, True, vocab),
         }
         for key, run in stage_runs.items():
             if key not in stages:

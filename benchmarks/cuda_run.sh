@@ -4,6 +4,10 @@
 # in .whl/ (wheels for Python 3.12: fastapi, pydantic, uvicorn, openai, gguf and their needs), the Qwen3.5 tokenizer
 # fixture and the demo's config + tokenizer in .gpu/ (made here with benchmarks/cuda_prepare.sh).
 #   OUT=/tmp/out bash benchmarks/cuda_run.sh [tests] [bench]      (default: both)
+# Sizes (H200, 2026-12-04): tests/cuda ~40 s; the benchmark's stages for Qwen3.5's shape took 15-75 s each
+# (compiled 74 s with its compile, transformers 47 s, a served mode ~60 s), the demo's less. A session's device time
+# is short: give BENCH_TIMEOUT and BENCH_ARGS (e.g. --stages graphs,served-graphs,compiled --models qwen35) so that
+# one call ends well inside it; results.json is written after every stage, so a cut run still returns what it did.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/cuda-run}"
