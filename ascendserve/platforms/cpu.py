@@ -74,12 +74,14 @@ def cpu_identity() -> tuple[str, int | None]:
     return info.get("vendor_id", ""), int(family) if family.isdigit() else None
 
 
-ZEN5_FAMILY = 26  # AMD family 1Ah: AVX-512 (AVX512-BF16 included) on full 512-bit data paths
-
-
 def bf16_by_default() -> bool:
-    """Whether `--dtype auto` runs a bf16 / fp16 checkpoint in bf16 here: with AMX, or with AVX512-BF16 on AMD Zen 5
-    or later; elsewhere (Zen 4, Intel Cooper Lake: AVX512-BF16 without AMX) in fp32 from bf16 weights, as measured.
+    """Whether `--dtype auto` runs a bf16 / fp16 checkpoint in bf16 here: with AMX, or with AVX512-BF16 on an AMD CPU
+    (Zen 4 and later); elsewhere (Intel Cooper Lake: AVX512-BF16 without AMX, not measured) in fp32 from bf16 weights.
+
+    Served, against vLLM's CPU build (BENCHMARKS.md run 101, 2-core Zen 4, random 256 in / 128 out, output tok/s at
+    8 / 16 / 64 streams): the demo fp32 162 / 179 / 196, bf16 265 / 307 / 363 (vLLM bf16 200 / 254 / 328); the
+    Qwen3.5-0.8B shape fp32 49 / 50 / 50, bf16 80 / 88 / 94. Session 18's in-process figures below, taken before the
+    bf16 norm / activation / rotary / Gated DeltaNet ops existed, had fp32 ahead on Zen 4.
 
     In-process (benchmarks/probe_dtype_steps.py), median ms per decode step at 1 / 8 / 64 streams and s per 8 x 256
     prefill, fp32 against bf16:
@@ -88,14 +90,12 @@ def bf16_by_default() -> bool:
       Q4_1) fp32 12 / 21 / 92 ms, 1.7-1.9 s; bf16 17 / 18 / 61 ms, 0.95 s (at one stream its fp32 layers read 4-bit
       copies).
     - 2-core AMD EPYC Zen 4 (session 18, before those bf16 ops): Qwen3.5 shape fp32 53 / 102 / 746 ms, 13.3 s; bf16
-      122 / 189 / 851 ms, 15.1 s. The demo fp32 13 / 34 / 222 ms, 3.0 s; bf16 25 / 33 / 132 ms, 2.2 s. Zen 4 runs
-      512-bit instructions in two halves; it is to be measured again with the bf16 ops before it joins.
+      122 / 189 / 851 ms, 15.1 s. The demo fp32 13 / 34 / 222 ms, 3.0 s; bf16 25 / 33 / 132 ms, 2.2 s.
     - 2-core Xeon with AMX (session 19): bf16 3.7-4.3x fp32 in prefill, 2.4-2.7x at 64 streams."""
     flags = cpu_flags()
     if "amx_bf16" in flags:
         return True
-    vendor, family = cpu_identity()
-    return "avx512_bf16" in flags and vendor == "AuthenticAMD" and (family or 0) >= ZEN5_FAMILY
+    return "avx512_bf16" in flags and cpu_identity()[0] == "AuthenticAMD"
 
 
 class CpuPlatform(Platform):
@@ -117,9 +117,9 @@ class CpuPlatform(Platform):
 
     def default_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         # Measured on a 2-core AVX-512 Xeon without AMX/AVX512-BF16: bf16 GEMMs ran at ~65 GFLOP/s
-        # against ~240 for fp32, so half-precision checkpoints run in fp32 there; with AVX512-BF16 on Zen 4
-        # the whole model was still faster in fp32 (bf16_by_default). With AMX, and on Zen 5, bf16 wins
-        # (shared/reference/cpu_peers.md §6, bf16_by_default); fp16 is slow on every CPU.
+        # against ~240 for fp32, so half-precision checkpoints run in fp32 there. With AMX, and with AVX512-BF16
+        # on AMD Zen 4 / Zen 5, bf16 wins (shared/reference/cpu_peers.md §6, bf16_by_default); fp16 is slow on
+        # every CPU.
         if checkpoint_dtype in (torch.float16, torch.bfloat16):
             if bf16_by_default():
                 return torch.bfloat16

@@ -1,5 +1,5 @@
-"""`--dtype auto` on CPU: bf16 / fp16 checkpoints run in bf16 where the CPU has AMX, or AVX512-BF16 on AMD Zen 5 or
-later (bf16_by_default)."""
+"""`--dtype auto` on CPU: bf16 / fp16 checkpoints run in bf16 where the CPU has AMX, or AVX512-BF16 on AMD (Zen 4 or
+later) (bf16_by_default)."""
 
 import pytest
 import torch
@@ -17,14 +17,14 @@ AMD, INTEL = "AuthenticAMD", "GenuineIntel"
 
 @pytest.mark.parametrize("flags,identity,half_runs_in", [
     (ZEN3, (AMD, 25), torch.float32),
-    (ZEN4, (AMD, 25), torch.float32),
+    (ZEN4, (AMD, 25), torch.bfloat16),  # Zen 4 (BENCHMARKS.md run 101)
     (ZEN4, (AMD, 26), torch.bfloat16),  # Zen 5: the same flags, full-width AVX-512
     (ZEN3, (AMD, 26), torch.float32),  # a Zen 5 VM that hides AVX-512
     (ZEN4, (INTEL, 6), torch.float32),  # Cooper Lake: AVX512-BF16 without AMX
     (SAPPHIRE_RAPIDS, (INTEL, 6), torch.bfloat16),
     (set(), ("", None), torch.float32),
 ])
-def test_half_precision_checkpoints_run_in_bf16_with_amx_or_on_zen5(monkeypatch, flags, identity, half_runs_in):
+def test_half_precision_checkpoints_run_in_bf16_with_amx_or_on_amd_avx512_bf16(monkeypatch, flags, identity, half_runs_in):
     monkeypatch.setattr(cpu, "cpu_flags", lambda: set(flags))
     monkeypatch.setattr(cpu, "cpu_identity", lambda: identity)
     platform = CpuPlatform()
