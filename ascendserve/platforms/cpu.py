@@ -80,8 +80,11 @@ def bf16_by_default() -> bool:
 
     Served, against vLLM's CPU build (BENCHMARKS.md run 101, 2-core Zen 4, random 256 in / 128 out, output tok/s at
     8 / 16 / 64 streams): the demo fp32 162 / 179 / 196, bf16 265 / 307 / 363 (vLLM bf16 200 / 254 / 328); the
-    Qwen3.5-0.8B shape fp32 49 / 50 / 50, bf16 80 / 88 / 94. Session 18's in-process figures below, taken before the
-    bf16 norm / activation / rotary / Gated DeltaNet ops existed, had fp32 ahead on Zen 4.
+    Qwen3.5-0.8B shape fp32 49 / 50 / 50, bf16 80 / 88 / 94. In-process there (benchmarks/probe_dtype_steps.py, ms per
+    step at 1 / 8 / 64 streams, s per 8 x 256 prefill): the demo fp32 9.9 / 25.6 / 135.7, 2.6-3.1 s, bf16 13.6 / 16.4 /
+    65.9, 1.3 s; Qwen3.5 fp32 54.6 / 80.2 / 588.0, 11.6-11.8 s, bf16 55.6 / 53.7 / 339.9, 6.0 s (one stream of the demo
+    stays faster in fp32, which reads its 4-bit copies: `--dtype float32`). Session 18's in-process figures below,
+    taken before the bf16 norm / activation / rotary / Gated DeltaNet ops existed, had fp32 ahead on Zen 4.
 
     In-process (benchmarks/probe_dtype_steps.py), median ms per decode step at 1 / 8 / 64 streams and s per 8 x 256
     prefill, fp32 against bf16:
