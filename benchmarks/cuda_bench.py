@@ -126,21 +126,10 @@ def build_models(ns) -> dict[str, Path]:
 
 
 def decode_weight_bytes(path: Path) -> int:
-    """Bytes of weights one decode step reads: every tensor of the checkpoint, less the input embedding where the
-    lm_head is a separate tensor (the embedding then gives one row per token)."""
-    from safetensors import safe_open
-    total, embed, tied = 0, 0, json.loads((path / "config.json").read_text()).get("tie_word_embeddings", False)
-    for file in path.glob("*.safetensors"):
-        with safe_open(file, "pt") as f:
-            for key in f.keys():
-                nbytes = f.get_slice(key).get_shape()
-                size = 2
-                for d in nbytes:
-                    size *= d
-                total += size
-                if key.endswith("embed_tokens.weight"):
-                    embed = size
-    return total if tied else total - embed
+    """Bytes of weights one decode step reads from a bf16 checkpoint (compare_models.hf_decode_params: all but the
+    embedding table, a tied lm_head once)."""
+    from compare_models import hf_decode_params
+    return 2 * hf_decode_params(path)
 
 
 def prompts(count: int, vocab: int, seed: int) -> list[list[int]]:

@@ -142,16 +142,9 @@ class DecodeGraphs:
         self.mask[:rows * blocks * bs].view(rows, -1).copy_(span[None, :] < self.context_lens[:rows, None])
 
     def _fill_scratch(self, rows: int, blocks: int) -> None:
-        """Every row of a bucket on scratch (for warm-up and capture, which must change no request's cache)."""
-        self.input_ids[:rows].zero_()
-        self.positions[:rows].zero_()
-        self.kv_slots[:rows].fill_(self.scratch_block * self.block_size)
-        self.context_lens[:rows].fill_(1)
-        self.state_slots[:rows].fill_(self.scratch_state_slot if self.scratch_state_slot is not None else 0)
-        self.tables[:rows * blocks].fill_(self.scratch_block)
-        mask = self.mask[:rows * blocks * self.block_size].view(rows, -1)
-        mask.zero_()
-        mask[:, 0] = True
+        """Every row of a bucket on scratch (for warm-up and capture, which must change no request's cache): a step
+        with no decodes."""
+        self._fill([], [], np.zeros(0, dtype=np.int64), rows, blocks)
 
     def _forward(self, rows: int, blocks: int) -> torch.Tensor:
         """The model over a bucket's static buffers (what a graph records)."""
