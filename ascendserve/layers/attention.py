@@ -113,7 +113,9 @@ def _prefill_kernel_takes(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     causal sequences of 256, ms per layer, SDPA bf16 / this kernel: the demo's heads 2.7 / 6.5, Qwen3.5's 4.9 / 17.5)
     but rounds more: the demo's greedy answer to "What is the capital of France?" lost "Paris"
     (tests/entrypoints/test_llm.py). 2-core AMD EPYC (Zen 4), the demo's 8 x 256 prefill in bf16: SDPA's bf16 path took
-    18% of the step (546 ms of its 30 layers' 3 s, torch.profiler)."""
+    18% of the step (546 ms of its 30 layers' 3 s, torch.profiler). With head_dim a multiple of 32 the kernel multiplies
+    bf16 values on AMX or on vdpbf16ps (AVX512-BF16) with P split into two bf16 parts, to within the output's rounding
+    of the fp32 loops."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
             and out.dtype == q.dtype == k.dtype == v.dtype and q.shape[-1] % 16 == 0
             and all(_rows_contiguous(t) for t in (out, q, k, v)) and cpu_kernels.ops() is not None)

@@ -324,7 +324,7 @@ def test_prefill_goes_to_sdpa_where_the_kernel_does_not_run(head_dim, kernels, m
 
 # A model run in bf16 straight through the kernel (strided rows, a cached prefix, several sequences): each value widened
 # as it is packed, fp32 arithmetic, the result rounded once: exactly the fp32 kernel on widened copies, rounded; on AMX
-# (head_dim a multiple of 32) the tiles' products, to within the output's rounding.
+# or vdpbf16ps (head_dim a multiple of 32) the tiles' products, to within the output's rounding.
 @pytest.mark.parametrize("count, tq, prefix", [(1, 37, 0), (3, 20, 0), (2, 9, 14), (1, 300, 0), (2, 50, 100)])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 2, 256), (4, 4, 32), (2, 1, 48)])
 def test_bf16_prefill_kernel_is_the_fp32_kernel_rounded_once(count, tq, prefix, num_heads, num_kv_heads, head_dim,
@@ -342,15 +342,21 @@ def test_bf16_prefill_kernel_is_the_fp32_kernel_rounded_once(count, tq, prefix, 
     kernels.prefill_attention(out, q, k, v, count, 0.2)
     wide_out = torch.empty(out.shape)
     kernels.prefill_attention(wide_out, q.float(), k.float(), v.float(), count, 0.2)
-    if not kernels.prefill_attention_amx():
+    if not (kernels.prefill_attention_amx() or kernels.prefill_attention_dot()):
         assert torch.equal(out, wide_out.bfloat16())
         return
-    # On AMX: Q K^T's exact products summed in another order, P V as P's bf16 high and low parts: within the output's
+    # On AMX or vdpbf16ps: Q K^T's exact products summed in another order, P V as P's bf16 high and low parts: within the output's
     # own rounding of the fp32 result, and nearly always the same bf16 value (SDPA's bf16 path, rounding P to bf16
     # once, matches far fewer).
     torch.testing.assert_close(out.float(), wide_out, rtol=2 ** -8, atol=1e-5)
     same = (out == wide_out.bfloat16()).float().mean().item()
     assert same > (0.97 if head_dim % 32 == 0 else 1.0 - 1e-9), same  # head_dim 48: the fp32 loops, exactly
+
+
+def test_the_bf16_prefill_takes_vdpbf16ps_where_the_cpu_has_avx512_bf16_without_amx(kernels):
+    from ascendserve.platforms.cpu import cpu_flags
+    has = "avx512_bf16" in cpu_flags()
+    assert kernels.prefill_attention_dot() == (has and not kernels.prefill_attention_amx())
 
 
 def test_bf16_prefill_beyond_the_amx_head_dim_is_the_fp32_kernel_rounded_once(kernels):
