@@ -57,15 +57,16 @@ class RemoteServer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()[-4000:]}")
+                raise RuntimeError(f"server exited with {self.proc.returncode} ({self.log.name}):\n"
+                                   f"{self.read_log()[-4000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"server not ready after {START_TIMEOUT_S} s:\n{self.read_log()[-4000:]}")
+        self.stop(keep_log=True)
+        raise TimeoutError(f"server not ready after {START_TIMEOUT_S} s ({self.log.name}):\n{self.read_log()[-4000:]}")
 
     def read_log(self) -> str:
         """Everything the server printed so far."""
@@ -105,8 +106,9 @@ class RemoteServer:
                 return value
         return 0.0
 
-    def stop(self) -> None:
-        """Terminate (then kill) the process."""
+    def stop(self, keep_log: bool = False) -> None:
+        """Terminate (then kill) the process; remove its log file unless keep_log (a server that failed to start
+        keeps it: the error names it)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -114,6 +116,9 @@ class RemoteServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
+        if not keep_log and os.path.exists(self.log.name):
+            os.unlink(self.log.name)
 
 
 _shared: RemoteServer | None = None
