@@ -96,7 +96,7 @@ class Bf16Linear(KernelLinear):
         self.register_buffer("packed", pack_bf16(linear.weight.detach()), persistent=False)
         self.large_on_kernel = bf16_kernel_for_large_batches()
         self.bf16_io = False
-        self.argmax_on_amx = False
+        self.argmax_fused = False
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
@@ -126,9 +126,11 @@ class Bf16Linear(KernelLinear):
         layer = cls(linear, kernels)
         layer.bf16_io, layer.fp32_out = True, fp32_out
         layer.max_rows = 1 << 62  # the kernel takes every batch
-        # argmax's fused op (bf16_linear_argmax): fp32 outputs without a bias, on AMX, K a multiple of its 32 inputs
-        layer.argmax_on_amx = (fp32_out and linear.bias is None and linear.in_features % 32 == 0
-                               and bool(kernels.bf16_amx()))
+        # argmax's fused op (bf16_linear_argmax): fp32 outputs without a bias, on AMX (K a multiple of its 32 inputs) or
+        # on the vdpbf16ps tile
+        layer.argmax_fused = (fp32_out and linear.bias is None
+                              and ((linear.in_features % 32 == 0 and bool(kernels.bf16_amx()))
+                                   or bool(kernels.bf16_dot())))
         if linear.bias is not None:
             layer.register_buffer("bias_fp32", linear.bias.detach().float(), persistent=False)
         return layer
@@ -142,9 +144,10 @@ class Bf16Linear(KernelLinear):
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """Per row of bf16 x [M, K], the index of its largest output (argmax_rows of this layer's fp32 outputs: the
         first index of the maximum, the first NaN's where there is one) without making the outputs, where the fused op
-        runs: a bf16 layer with fp32 outputs and no bias (the lm_head) on AMX, K a multiple of 32. Else None. Greedy
-        decoding then neither writes the [M, vocab] logits nor reads them back (Qwen3.5, 64 rows: 64 MB each way)."""
-        if not (self.argmax_on_amx and x.dim() == 2 and x.dtype == torch.bfloat16):
+        runs: a bf16 layer with fp32 outputs and no bias (the lm_head) on AMX (K a multiple of 32) or where the CPU has
+        AVX512-BF16. Else None. Greedy decoding then neither writes the [M, vocab] logits nor reads them back (Qwen3.5,
+        64 rows: 64 MB each way)."""
+        if not (self.argmax_fused and x.dim() == 2 and x.dtype == torch.bfloat16):
             return None
         return self.kernels.bf16_linear_argmax(x.contiguous(), self.packed, self.out_features)
 

@@ -312,8 +312,8 @@ def test_prepack_gives_bf16_layers_the_kernel_for_every_batch(kernels, caplog):
 
 @pytest.mark.parametrize("k,n", [(32, 7), (64, 100), (576, 1000), (1024, 4099)])
 def test_fused_argmax_is_argmax_rows_of_the_fp32_outputs(kernels, k, n):
-    if not kernels.bf16_amx():
-        pytest.skip("bf16_linear_argmax multiplies on AMX only")
+    if not (kernels.bf16_amx() or kernels.bf16_dot()):
+        pytest.skip("bf16_linear_argmax multiplies on AMX or vdpbf16ps only")
     from ascendserve.worker.sampler import argmax_rows
     weight = _bf16_valued_linear(k, n, False).weight.detach().clone()
     # equal outputs in other panels (and so on the other thread): a copy of row 3 at the last column, and of the last
@@ -348,7 +348,7 @@ def test_fused_argmax_rejects_bad_inputs(kernels):
         kernels.bf16_linear_argmax(torch.randn(3, 64), packed, 40)
     with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
         kernels.bf16_linear_argmax(torch.randn(3, 32).bfloat16(), packed, 40)
-    if not kernels.bf16_amx():
+    if not (kernels.bf16_amx() or kernels.bf16_dot()):
         with pytest.raises(RuntimeError, match="needs AMX"):
             kernels.bf16_linear_argmax(torch.randn(3, 64).bfloat16(), packed, 40)
 
@@ -391,7 +391,7 @@ def test_fused_gate_up_silu_rejects_bad_inputs(kernels):
         kernels.bf16_linear_silu_mul(torch.zeros(3, 32).bfloat16(), packed, 64)
     with pytest.raises(RuntimeError, match="n=48 must be a multiple of 32"):
         kernels.bf16_linear_silu_mul(torch.zeros(3, 64).bfloat16(), packed, 48)
-    if not kernels.bf16_amx():
+    if not (kernels.bf16_amx() or kernels.bf16_dot()):
         with pytest.raises(RuntimeError, match="needs AMX"):
             kernels.bf16_linear_silu_mul(torch.zeros(3, 64).bfloat16(), packed, 64)
 

@@ -563,18 +563,21 @@ at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   return out;
 }
 
-// Per row of bf16 x [M, K], the index of the largest of n outputs x @ W.T (no bias) on AMX: the sums
-// bf16_linear_bf16x returns as fp32, never written out. Each thread keeps, per row, the largest sum over its panels
-// and its first index (or the first NaN's), and the threads' picks are merged by value, then index: argmax_rows' result
-// on bf16_linear_bf16x's output (the first index of the maximum, the first NaN where there is one). Greedy sampling's
-// lm_head: a 64-row Qwen3.5 decode step neither writes 64 MB of logits nor reads them back.
+// Per row of bf16 x [M, K], the index of the largest of n outputs x @ W.T (no bias), on AMX (K a multiple of 32) or on
+// the vdpbf16ps tile: the sums bf16_linear_bf16x returns as fp32 (the same tiles, so the same values), never written
+// out. Each thread keeps, per row, the largest sum over its panels and its first index (or the first NaN's), and the
+// threads' picks are merged by value, then index: argmax_rows' result on bf16_linear_bf16x's output (the first index
+// of the maximum, the first NaN where there is one). Greedy sampling's lm_head: a 64-row Qwen3.5 decode step neither
+// writes 64 MB of logits nor reads them back. On the vdpbf16ps tile (2-vCPU Zen 4, 64 rows, against the logits and
+// argmax_rows): the demo's 49152 x 576 12.0 -> 9.0 ms, Qwen3.5's 248320 x 1024 84.3 -> 76.2 ms; one row level.
 at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   const PanelShape shape = checked_shape(x, at::kBFloat16, packed, n, "bf16_linear_argmax");
   [[maybe_unused]] const int64_t m_rows = shape.m_rows, k = shape.k, panels = shape.panels, kpairs = shape.kpairs;
   TORCH_CHECK(n > 0, "bf16_linear_argmax: n must be positive");
-  TORCH_CHECK(bf16_amx() && k % 32 == 0, "bf16_linear_argmax: needs AMX and K a multiple of 32 (K=", k, ")");
+  const bool on_amx = bf16_amx() && k % 32 == 0;
+  TORCH_CHECK(on_amx || bf16_dot(), "bf16_linear_argmax: needs AMX (K a multiple of 32, K=", k, ") or AVX512-BF16");
   at::Tensor out = at::empty({m_rows}, x.options().dtype(at::kLong));
-#if defined(ASCENDSERVE_BF16_AMX)
+#if defined(ASCENDSERVE_BF16_DOT)
   if (m_rows == 0) return out;
   struct Pick {
     float value = 0.f;
@@ -586,9 +589,8 @@ at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int
   const uint32_t* x_ptr = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const uint32_t* w_ptr = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   const int64_t panel_stride = kpairs * kPanel;
-  auto block = [&](int64_t p, int64_t m0, int rows, int64_t cols, int64_t kp0, int64_t kp1, float* partial) {
-    alignas(64) float sums[kAmxRows][kPanel];
-    if (!amx_sums(rows, x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kp0, kp1, kpairs, partial, sums)) return;
+  // rows m0 .. m0 + rows - 1's sums of panel p (cols real outputs) into this thread's picks
+  auto pick_from = [&](const float (*sums)[kPanel], int64_t p, int64_t m0, int rows, int64_t cols) {
     Pick* mine = picks.data() + std::min<int64_t>(at::get_thread_num(), threads - 1) * m_rows + m0;
     // A thread's panels come in increasing order, so a later sum equal to the pick never replaces it. Per row, the
     // panel's largest sum (and any NaN) is found on two vectors; only a new maximum looks for its first column.
@@ -601,7 +603,7 @@ at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int
       __mmask16 nan[2];
       __m512 v[2];
       for (int h = 0; h < 2; ++h) {
-        v[h] = _mm512_mask_load_ps(lowest, valid[h], &sums[m][16 * h]);
+        v[h] = _mm512_mask_loadu_ps(lowest, valid[h], &sums[m][16 * h]);
         const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(v[h]), _mm512_set1_epi32(0x7fffffff));
         nan[h] = _mm512_mask_cmpgt_epi32_mask(valid[h], magnitude, _mm512_set1_epi32(0x7f800000));
       }
@@ -618,7 +620,27 @@ at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int
       pick.index = p * kPanel + c;
     }
   };
-  for_each_amx_block(m_rows, k, n, panels, block);
+#if defined(ASCENDSERVE_BF16_AMX)
+  if (on_amx) {
+    for_each_amx_block(m_rows, k, n, panels, [&](int64_t p, int64_t m0, int rows, int64_t cols, int64_t kp0,
+                                                 int64_t kp1, float* partial) {
+      alignas(64) float sums[kAmxRows][kPanel];
+      if (amx_sums(rows, x_ptr + m0 * kpairs, kpairs, w_ptr + p * panel_stride, kp0, kp1, kpairs, partial, sums))
+        pick_from(sums, p, m0, rows, cols);
+    });
+  } else
+#endif
+  {
+    ascendserve_panel::for_each_tile<kRowBlock>(m_rows, k, n, panels, [&](int64_t p, int64_t m0, int rows,
+                                                                          int64_t cols) {
+      ascendserve_panel::in_row_blocks<kRowBlock>(rows, [&](int r0, auto r) {
+        alignas(64) float sums[kRowBlock][kPanel];
+        tile_dot<decltype(r)::value>(x_ptr + (m0 + r0) * kpairs, kpairs, w_ptr + p * panel_stride, kpairs, &sums[0][0],
+                                     kPanel, cols, static_cast<const float*>(nullptr));
+        pick_from(sums, p, m0 + r0, decltype(r)::value, cols);
+      });
+    });
+  }
   int64_t* index = out.data_ptr<int64_t>();
   for (int64_t m = 0; m < m_rows; ++m) {
     Pick best;
