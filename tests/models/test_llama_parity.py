@@ -122,12 +122,12 @@ def test_bf16_model_on_the_bf16_kernel(tmp_path, budget):
         completion = out.outputs[0]
         assert_matches(hf_greedy(model, prompt, MAX_NEW), completion.token_ids, completion.logprobs, tol=0.1)
     _assert_pool_clean(llm)
-    # without logprobs every row only takes the argmax: on AMX the lm_head's fused argmax gives the tokens (no logits
-    # made), the same as the sampler's argmax over the logits above
+    # without logprobs every row only takes the argmax: on AMX or vdpbf16ps the lm_head's fused argmax gives the tokens
+    # (no logits made), the same as the sampler's argmax over the logits above
     head, picks = llm.llm_engine.runner.model.lm_head, []
     fused = head.argmax
     head.argmax = lambda x: picks.append(fused(x)) or picks[-1]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
-    assert picks and all((p is not None) == kernels.bf16_amx() for p in picks)
+    assert picks and all((p is not None) == (kernels.bf16_amx() or kernels.bf16_dot()) for p in picks)
