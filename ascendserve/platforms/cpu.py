@@ -67,11 +67,9 @@ def cpu_has_fast_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def cpu_identity() -> tuple[str, int | None]:
-    """(vendor_id, cpu family) from /proc/cpuinfo: ("AuthenticAMD", 26) on Zen 5; ("", None) where unknown."""
-    info = _cpuinfo("vendor_id", "cpu family")
-    family = info.get("cpu family", "")
-    return info.get("vendor_id", ""), int(family) if family.isdigit() else None
+def cpu_vendor() -> str:
+    """The vendor_id of /proc/cpuinfo ("AuthenticAMD", "GenuineIntel"; "" where unknown)."""
+    return _cpuinfo("vendor_id").get("vendor_id", "")
 
 
 def bf16_by_default() -> bool:
@@ -98,7 +96,7 @@ def bf16_by_default() -> bool:
     flags = cpu_flags()
     if "amx_bf16" in flags:
         return True
-    return "avx512_bf16" in flags and cpu_identity()[0] == "AuthenticAMD"
+    return "avx512_bf16" in flags and cpu_vendor() == "AuthenticAMD"
 
 
 class CpuPlatform(Platform):
