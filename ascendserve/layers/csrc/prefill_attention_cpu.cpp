@@ -360,7 +360,7 @@ void attend_tile_dot(const Problem<at::BFloat16>& pr, int64_t seq, int64_t head,
   }
   const uint32_t* hi = reinterpret_cast<const uint32_t*>(sc.p_hi.data());
   const uint32_t* lo = reinterpret_cast<const uint32_t*>(sc.p_lo.data());
-  const int64_t key_pairs = dot_keys(pr.tk) / 2;
+  const int64_t key_pairs = lds / 2;  // V's panels hold dot_keys(tk) = lds keys
   for (int64_t c = 0; c < d / 32; ++c) {
     dot_rows<ROWS, true>(hi, lo, lds / 2, vp + c * key_pairs * 32, key_chunks * 16, acc);
     for (int m = 0; m < ROWS; ++m) {
