@@ -354,15 +354,17 @@ def test_fused_argmax_rejects_bad_inputs(kernels):
 
 
 # (rows, K, I) for the fused gate-and-up layer: one and two A tiles, last blocks of each height, K in one, two and
-# several slices (the demo's 576, Qwen3.5's 1024, 3584), and outputs of 8 MiB or more (non-temporal stores)
+# several slices (the demo's 576, Qwen3.5's 1024, 3584), and outputs of 8 MiB or more (non-temporal stores); on the
+# vdpbf16ps tile, row blocks of 12 and the last ones of each height, and a K that is not a multiple of 32 (that tile
+# also on a CPU with AMX)
 GATE_UP_CASES = [(1, 576, 1536), (5, 64, 32), (17, 576, 96), (33, 1024, 3584), (64, 576, 1536), (300, 3584, 64),
-                 (1200, 576, 3584), (1100, 576, 512)]
+                 (1200, 576, 3584), (1100, 576, 512), (13, 98, 64), (29, 50, 32)]
 
 
 @pytest.mark.parametrize("rows,k,i", GATE_UP_CASES)
 def test_fused_gate_up_silu_is_the_linear_then_silu_and_mul_bit_for_bit(kernels, rows, k, i):
-    if not kernels.bf16_amx():
-        pytest.skip("bf16_linear_silu_mul multiplies on AMX only")
+    if not (kernels.bf16_amx() or kernels.bf16_dot()):
+        pytest.skip("bf16_linear_silu_mul multiplies on AMX or AVX512-BF16 only")
     gen = torch.Generator().manual_seed(rows + k + i)
     weight = (torch.randn(2 * i, k, generator=gen) * 0.05).bfloat16()
     x = torch.randn(rows, k, generator=gen).bfloat16()
@@ -408,12 +410,12 @@ class _Bf16MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-def test_prepack_fuses_a_silu_mlp_gate_up_on_amx_with_the_same_outputs(kernels, caplog):
+def test_prepack_fuses_a_silu_mlp_gate_up_with_the_same_outputs(kernels, caplog):
     model = _Bf16MLP()
     gate_up = model.gate_up_proj.weight.detach().clone()
     with caplog.at_level(logging.INFO):
         stats = prepack_linears_(model)
-    fused = kernels.bf16_amx()
+    fused = bool(kernels.bf16_amx() or kernels.bf16_dot())
     assert isinstance(model.gate_up_proj, Bf16GateUpSilu if fused else Bf16Linear)
     assert isinstance(model.act, nn.Identity if fused else GatedActivation)
     assert stats["gate_up_silu"] == fused and stats["bf16_io"] == 2

@@ -112,10 +112,11 @@ def test_bf16_model_on_the_bf16_kernel(tmp_path, budget):
               max_num_batched_tokens=budget)
     kinds = (torch.nn.Linear, Bf16Linear, Bf16GateUpSilu)
     linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, kinds)]
-    # per layer qkv, o, gate_up, down; and the lm_head; on AMX the gate_up layers apply SiLU-and-mul too
+    # per layer qkv, o, gate_up, down; and the lm_head; on AMX or AVX512-BF16 the gate_up layers apply SiLU-and-mul too
     assert len(linears) == 2 * 4 + 1 and all(isinstance(m, kinds[1:]) and m.bf16_io for m in linears)
     fused = sum(isinstance(m, Bf16GateUpSilu) for m in linears)
-    assert fused == (2 if (kernels := cpu_kernels.ops()) is not None and kernels.bf16_amx() else 0)
+    kernels = cpu_kernels.ops()
+    assert fused == (2 if kernels is not None and (kernels.bf16_amx() or kernels.bf16_dot()) else 0)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs):

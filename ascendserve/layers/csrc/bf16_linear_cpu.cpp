@@ -233,6 +233,24 @@ void tile_dot(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kpa
   }
 }
 
+// fp32 sums as the bf16 values a rounding store would leave (to nearest even), widened back.
+inline __m512 bf16_rounded(__m512 v) { return ascendserve_bf16::widen16((__m256i)_mm512_cvtneps_pbh(v)); }
+
+// out[0 .. 32) = silu(g) * u for one row of gate and up sums, each first rounded to bf16 as the unfused layer's output
+// is, then silu_mul512 (silu_and_mul's arithmetic) rounded once: the unfused pair's bits.
+inline void store_silu_mul_row(const float* gate, const float* up, at::BFloat16* out, bool stream) {
+  __m512 o[2];
+  for (int h = 0; h < 2; ++h)
+    o[h] = ascendserve_simd::silu_mul512(bf16_rounded(_mm512_load_ps(gate + 16 * h)),
+                                         bf16_rounded(_mm512_load_ps(up + 16 * h)));
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(o[1], o[0]);
+  if (stream) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(out), both);
+  } else {
+    _mm512_storeu_si512(out, both);
+  }
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define ASCENDSERVE_BF16_AMX 1
 // AMX (Sapphire Rapids on): tdpbf16ps multiplies a 16-row x 32-input tile of bf16 x by a 32-input x 16-output tile of
@@ -353,24 +371,6 @@ void store_sums(const float (*sums)[kPanel], int rows, Out* out, int64_t ldo, in
     } else {
       ascendserve_panel::store_tile_bf16<1>(row, out + m * ldo, ldo, cols, bias);
     }
-  }
-}
-
-// fp32 sums as the bf16 values a rounding store would leave (to nearest even), widened back.
-inline __m512 bf16_rounded(__m512 v) { return ascendserve_bf16::widen16((__m256i)_mm512_cvtneps_pbh(v)); }
-
-// out[0 .. 32) = silu(g) * u for one row of gate and up sums, each first rounded to bf16 as the unfused layer's output
-// is, then silu_mul512 (silu_and_mul's arithmetic) rounded once: the unfused pair's bits.
-inline void store_silu_mul_row(const float* gate, const float* up, at::BFloat16* out, bool stream) {
-  __m512 o[2];
-  for (int h = 0; h < 2; ++h)
-    o[h] = ascendserve_simd::silu_mul512(bf16_rounded(_mm512_load_ps(gate + 16 * h)),
-                                         bf16_rounded(_mm512_load_ps(up + 16 * h)));
-  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(o[1], o[0]);
-  if (stream) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(out), both);
-  } else {
-    _mm512_storeu_si512(out, both);
   }
 }
 
@@ -528,37 +528,59 @@ at::Tensor bf16x(const at::Tensor& x, const at::Tensor& packed, int64_t n, const
 #endif
 }
 
-// silu(x @ G.T) * (x @ U.T) for bf16 x [M, K] on AMX, out [M, n] bf16, from the gate-and-up layer's panels taken in
-// pairs, gate panel q then up panel q ([g0, u0, g1, u1, ...], pack_gate_up in compact_linear.py; n a multiple of 32):
-// both panels' sums for a block, each rounded to bf16, then silu_and_mul's arithmetic, so the values are those of
-// bf16_linear_bf16x and silu_and_mul one after the other, without the [M, 2n] product going to memory and back.
+// silu(x @ G.T) * (x @ U.T) for bf16 x [M, K], out [M, n] bf16, from the gate-and-up layer's panels taken in pairs,
+// gate panel q then up panel q ([g0, u0, g1, u1, ...], pack_gate_up in compact_linear.py; n a multiple of 32), on the
+// tiles bf16_linear_bf16x takes (AMX where K is a multiple of 32, else the vdpbf16ps tile): both panels' sums for a
+// block, each rounded to bf16, then silu_and_mul's arithmetic, so the values are those of bf16_linear_bf16x and
+// silu_and_mul one after the other, without the [M, 2n] product going to memory and back.
 at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "bf16_linear_silu_mul: x must be a contiguous bf16 [M, K] tensor");
   check_pack(packed, "bf16_linear_silu_mul", "[2n/32, K/2, 32, 2]");
   check_columns(x, packed, "bf16_linear_silu_mul");
-  const int64_t m_rows = x.size(0), k = x.size(1), kpairs = packed.size(1);
+  [[maybe_unused]] const int64_t m_rows = x.size(0), k = x.size(1), kpairs = packed.size(1);
   TORCH_CHECK(n > 0 && n % kPanel == 0 && packed.size(0) == 2 * n / kPanel, "bf16_linear_silu_mul: n=", n,
               " must be a multiple of 32 with 2n/32 = ", packed.size(0), " panels");
-  TORCH_CHECK(bf16_amx() && k % 32 == 0, "bf16_linear_silu_mul: needs AMX and K a multiple of 32 (K=", k, ")");
+  const bool on_amx = bf16_amx() && k % 32 == 0;
+  TORCH_CHECK(on_amx || bf16_dot(), "bf16_linear_silu_mul: needs AMX (K a multiple of 32, K=", k, ") or AVX512-BF16");
   at::Tensor out = at::empty({m_rows, n}, x.options());
-#if defined(ASCENDSERVE_BF16_AMX)
+#if defined(ASCENDSERVE_BF16_DOT)
   if (m_rows == 0) return out;
   const uint32_t* x_ptr = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const uint32_t* w_ptr = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   at::BFloat16* out_ptr = out.data_ptr<at::BFloat16>();
   const int64_t panel_stride = kpairs * kPanel;
-  const bool stream = streamed(m_rows, n * 2, out_ptr);
-  auto pair = [&](int64_t q, int64_t m0, int rows, int64_t, int64_t kp0, int64_t kp1, float* partial) {
-    alignas(64) float gate[kAmxRows][kPanel], up[kAmxRows][kPanel];
-    const uint32_t* xb = x_ptr + m0 * kpairs;
-    const bool last = amx_sums(rows, xb, kpairs, w_ptr + 2 * q * panel_stride, kp0, kp1, kpairs, partial, gate);
-    amx_sums(rows, xb, kpairs, w_ptr + (2 * q + 1) * panel_stride, kp0, kp1, kpairs,
-             partial ? partial + kAmxRows * kPanel : nullptr, up);
-    if (last)
-      for (int m = 0; m < rows; ++m) store_silu_mul_row(gate[m], up[m], out_ptr + (m0 + m) * n + q * kPanel, stream);
-  };
-  for_each_amx_block<2>(m_rows, k, n, n / kPanel, pair);
+#if defined(ASCENDSERVE_BF16_AMX)
+  if (on_amx) {
+    const bool stream = streamed(m_rows, n * 2, out_ptr);
+    auto pair = [&](int64_t q, int64_t m0, int rows, int64_t, int64_t kp0, int64_t kp1, float* partial) {
+      alignas(64) float gate[kAmxRows][kPanel], up[kAmxRows][kPanel];
+      const uint32_t* xb = x_ptr + m0 * kpairs;
+      const bool last = amx_sums(rows, xb, kpairs, w_ptr + 2 * q * panel_stride, kp0, kp1, kpairs, partial, gate);
+      amx_sums(rows, xb, kpairs, w_ptr + (2 * q + 1) * panel_stride, kp0, kp1, kpairs,
+               partial ? partial + kAmxRows * kPanel : nullptr, up);
+      if (last)
+        for (int m = 0; m < rows; ++m)
+          store_silu_mul_row(gate[m], up[m], out_ptr + (m0 + m) * n + q * kPanel, stream);
+    };
+    for_each_amx_block<2>(m_rows, k, n, n / kPanel, pair);
+    return out;
+  }
+#endif
+  // a block of rows by gate panel 2q, then by up panel 2q + 1 (both rereading the block's x from L1), into sums that
+  // stay on the stack
+  ascendserve_panel::for_each_tile<kRowBlock>(m_rows, k, n, n / kPanel, [&](int64_t q, int64_t m0, int rows,
+                                                                            int64_t) {
+    ascendserve_panel::with_tile_rows<kRowBlock>(rows, [&](auto r) {
+      alignas(64) float gate[kRowBlock][kPanel], up[kRowBlock][kPanel];
+      const uint32_t* xb = x_ptr + m0 * kpairs;
+      tile_dot<decltype(r)::value>(xb, kpairs, w_ptr + 2 * q * panel_stride, kpairs, &gate[0][0], kPanel, kPanel,
+                                   static_cast<const float*>(nullptr));
+      tile_dot<decltype(r)::value>(xb, kpairs, w_ptr + (2 * q + 1) * panel_stride, kpairs, &up[0][0], kPanel, kPanel,
+                                   static_cast<const float*>(nullptr));
+      for (int m = 0; m < rows; ++m) store_silu_mul_row(gate[m], up[m], out_ptr + (m0 + m) * n + q * kPanel, false);
+    });
+  });
 #endif
   return out;
 }
