@@ -4,7 +4,12 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 from ascendserve.loader.gguf_loader import TOKENIZER_CACHE_ENV_VAR
+
+# the shared helpers' asserts explain their failures as the tests' own do (registered before any test imports them)
+pytest.register_assert_rewrite("tests.models.reference", "tests.models.qwen3_5_tiny")
 
 _OWN_CACHE: list[str] = []
 

@@ -21,9 +21,10 @@ from ascendserve import LLM, SamplingParams
 from ascendserve.config import EngineArgs
 from ascendserve.engine.llm_engine import LLMEngine
 from ascendserve.platforms import get_platform
+from ascendserve.worker.decode_graphs import EAGER_ENV
 from tests.models.reference import check_outputs, generate_with_arrivals, hf_greedy, make_prompts, randomize_
-from tests.models.test_qwen3_5_parity import (LENGTHS, MAX_NEW, VOCAB, _assert_clean, _assert_near_reference,
-                                              checkpoint_cache)
+from tests.models.qwen3_5_tiny import (LENGTHS, MAX_NEW, TEXT, VOCAB, assert_near_reference, assert_pools_clean,
+                                       checkpoint_cache)
 
 DEVICE = os.environ.get("ASCENDSERVE_TEST_DEVICE", "cuda")
 
@@ -74,7 +75,7 @@ def test_qwen3_5_matches_transformers(checkpoints, kind, budget, enforce_eager):
     llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=budget, enforce_eager=enforce_eager)
     _assert_on_device(llm.llm_engine)
     check_outputs(_generate(llm, prompts), refs)
-    _assert_clean(llm.llm_engine)
+    assert_pools_clean(llm.llm_engine)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -86,7 +87,7 @@ def test_qwen3_5_preemption(checkpoints, async_scheduling):
                enforce_eager=True)
     check_outputs(_generate(llm, prompts), refs)
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    _assert_clean(llm.llm_engine)
+    assert_pools_clean(llm.llm_engine)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -96,7 +97,7 @@ def test_qwen3_5_requests_join_while_others_decode(checkpoints, async_scheduling
         path, skip_tokenizer_init=True, dtype="float32", device=DEVICE, num_gpu_blocks_override=256,
         max_num_batched_tokens=40, max_num_seqs=3, async_scheduling=async_scheduling, enforce_eager=True))
     check_outputs(generate_with_arrivals(engine, prompts, _params()), refs)
-    _assert_clean(engine)
+    assert_pools_clean(engine)
 
 
 @pytest.mark.parametrize("budget", [48, 1024])
@@ -108,8 +109,8 @@ def test_qwen3_5_bf16(checkpoints, budget):
     path, prompts, refs = checkpoints("dense-bf16")
     llm = _llm(path, dtype="bfloat16", num_gpu_blocks_override=256, max_num_batched_tokens=budget, enforce_eager=True)
     _assert_on_device(llm.llm_engine)
-    _assert_near_reference(_generate(llm, prompts), refs, max_drift=0.15, min_gap=0.5)
-    _assert_clean(llm.llm_engine)
+    assert_near_reference(_generate(llm, prompts), refs, max_drift=0.15, min_gap=0.5)
+    assert_pools_clean(llm.llm_engine)
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="--dtype auto on a CPU depends on its bf16 support")
@@ -178,9 +179,11 @@ def test_sampling_on_the_gpu(llama):
 
 
 @pytest.mark.parametrize("kind", ["dense", "vl", "llama"])
-def test_decode_graphs(checkpoints, llama, kind):
+def test_decode_graphs(checkpoints, llama, kind, monkeypatch):
     # compilation_config cudagraph_mode FULL_DECODE_ONLY: pure decode steps replay captured graphs (batch buckets 1, 2,
     # 4, 6; requests joining and finishing change the bucket), the rest runs eagerly; token for token as transformers.
+    if DEVICE == "cpu":  # the same path without the capture (a CPU engine makes no graphs otherwise)
+        monkeypatch.setenv(EAGER_ENV, "1")
     graphs_config = {"cudagraph_mode": "FULL_DECODE_ONLY"}
     if kind == "llama":
         path, prompts, refs = llama
@@ -193,7 +196,7 @@ def test_decode_graphs(checkpoints, llama, kind):
             path, skip_tokenizer_init=True, dtype="float32", device=DEVICE, num_gpu_blocks_override=256,
             max_num_batched_tokens=40, max_num_seqs=6, compilation_config=graphs_config))
         check_outputs(generate_with_arrivals(engine, prompts, _params()), refs)
-        _assert_clean(engine)
+        assert_pools_clean(engine)
     graphs = engine.runner.decode_graphs
     assert graphs.num_replays > 0 and graphs.graphs and (graphs.capture or DEVICE == "cpu")  # cpu: the eager stand-in
     assert all((graph is not None) == graphs.capture for graph, _ in graphs.graphs.values())
@@ -213,7 +216,6 @@ def test_server_on_the_gpu(tmp_path):
         tokenizer = build_qwen3_5_tokenizer()
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
-    from tests.models.test_qwen3_5_parity import TEXT
     from tests.server.utils import RemoteServer
     config = Qwen3_5TextConfig(**{**TEXT, "vocab_size": 248320}, intermediate_size=128, tie_word_embeddings=True,
                                architectures=["Qwen3_5ForCausalLM"])

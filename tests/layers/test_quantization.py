@@ -17,8 +17,8 @@ from ascendserve.layers import quantization as q
 from ascendserve.layers.compact_linear import tile_kernels
 from ascendserve.layers.quantization import GridInt4Linear, WeightOnlyLinear, _unpack_int4, quantize_model_
 from tests.models.reference import make_prompts, randomize_
-from tests.models.test_qwen3_5_parity import TEXT as QWEN_TEXT
-from tests.models.test_qwen3_5_parity import randomize_ as qwen_randomize_
+from tests.models.qwen3_5_tiny import TEXT as QWEN_TEXT
+from tests.models.qwen3_5_tiny import randomize_ as qwen_randomize_
 
 VOCAB = 512
 MAX_NEW = 8

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from ascendserve import LLM, SamplingParams
 from ascendserve.layers import cpu_kernels
 from tests.models import test_llama_parity as llama
-from tests.models import test_qwen3_5_parity as qwen
+from tests.models import qwen3_5_tiny as qwen
 from tests.models.reference import assert_matches, hf_greedy, make_prompts, randomize_
 
 TOL = 0.08

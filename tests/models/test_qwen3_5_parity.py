@@ -14,12 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM
-from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding, apply_rotary_pos_emb
-from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
-from ascendserve import LLM, SamplingParams
+from ascendserve import LLM
 from ascendserve.config import EngineArgs
 from ascendserve.engine.llm_engine import LLMEngine
 from ascendserve.layers import cpu_kernels
@@ -29,58 +27,9 @@ from ascendserve.layers.mrope import MRotaryEmbedding, interleaved_axis_of_slots
 from ascendserve.models import qwen3_5
 from ascendserve.worker.kv_budget import KVCacheTooSmallError
 from ascendserve.worker.model_runner import build_state_metadata
-from tests.models.reference import check_outputs, generate_with_arrivals, hf_greedy, make_prompts
-
-VOCAB = 512
-MAX_NEW = 8
-LENGTHS = [1, 7, 64, 65, 130, 300]  # crosses multiples of 64 (the delta-rule chunk) and of 16 (blocks)
-ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-        "mrope_section": [2, 1, 1], "mrope_interleaved": True}
-TEXT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-            linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=512,
-            rms_norm_eps=1e-6, rope_parameters=ROPE)  # layers: 3 Gated DeltaNet + 1 full attention
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-              spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
-
-
-def randomize_(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
-    """Every parameter random: (1 + w) norms, A_log, dt_bias and conv weights around 0, the gated norm around 1."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            values = torch.randn(param.shape, generator=gen) * std
-            if name.endswith("linear_attn.norm.weight"):  # the one plain-weight RMSNorm
-                values += 1.0
-            param.copy_(values)
-
-
-def build(kind: str):
-    """The transformers model of a tiny random checkpoint (dense-bf16: dense with bf16-valued weights)."""
-    if kind in ("dense", "dense-bf16"):
-        config = Qwen3_5TextConfig(**TEXT, intermediate_size=128, tie_word_embeddings=True)
-        arch = "Qwen3_5ForCausalLM"
-    elif kind == "moe":
-        config = Qwen3_5MoeTextConfig(**TEXT, **MOE, tie_word_embeddings=False)
-        arch = "Qwen3_5MoeForCausalLM"
-    else:
-        config = Qwen3_5Config(text_config={**TEXT, "intermediate_size": 128}, vision_config=VISION,
-                               tie_word_embeddings=False)
-        arch = "Qwen3_5ForConditionalGeneration"
-    config.architectures = [arch]
-    torch.manual_seed(0)
-    if kind == "vl":
-        model = Qwen3_5ForConditionalGeneration(config).to(torch.float32).eval()
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    randomize_(model, seed=1)
-    if kind == "dense-bf16":  # every value exactly bf16; the reference still computes in fp32
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(param.bfloat16().float())
-    return model
-
+from tests.models.qwen3_5_tiny import (LENGTHS, MOE, ROPE, TEXT, VOCAB, assert_near_reference, assert_pools_clean,
+                                       checkpoint_cache, greedy_params)
+from tests.models.reference import check_outputs, generate_with_arrivals
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
@@ -88,43 +37,8 @@ def checkpoints(tmp_path_factory):
     return checkpoint_cache(tmp_path_factory)
 
 
-def checkpoint_cache(tmp_path_factory):
-    """A function kind -> (path, prompts, transformers' CPU fp32 references) that builds each kind once (the
-    `checkpoints` fixture of this module and of the other engine-path tests)."""
-    cache = {}
-
-    def get(kind: str):
-        if kind not in cache:
-            model = build(kind)
-            path = tmp_path_factory.mktemp(kind)
-            if kind == "dense-bf16":  # saved as bf16, like the released checkpoints
-                model.to(torch.bfloat16).save_pretrained(path)
-                model.float()
-            else:
-                model.save_pretrained(path)
-            names = load_file(os.path.join(path, "model.safetensors")).keys()
-            if kind == "vl":  # the real composite layout
-                assert any(n.startswith("model.language_model.layers.") for n in names)
-                assert any(n.startswith("model.visual.") for n in names)
-            prompts = make_prompts(VOCAB, LENGTHS, seed=2)
-            cache[kind] = str(path), prompts, [hf_greedy(model, p, MAX_NEW) for p in prompts]
-        return cache[kind]
-    return get
-
-
 def _llm(path, **engine_args):
     return LLM(path, skip_tokenizer_init=True, dtype="float32", **engine_args)
-
-
-def _params():
-    return SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
-
-
-def _assert_clean(engine):
-    free, cached, in_use = engine.kv_cache_manager.pool.counts()
-    assert in_use == 0 and free + cached == engine.kv_cache_manager.num_blocks
-    state = engine.state_cache_manager
-    assert state.num_free_slots == state.num_slots and not state.req_to_slot
 
 
 @pytest.mark.parametrize("kind,budget,enforce_eager", [("dense", 16, True), ("dense", 48, True), ("dense", 100, True),
@@ -137,8 +51,8 @@ def test_chunked_prefill(checkpoints, kind, budget, enforce_eager, monkeypatch):
                enforce_eager=enforce_eager)
     assert not llm.llm_engine.config.enable_prefix_caching
     assert not llm.llm_engine.kv_cache_manager.enable_caching
-    check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
-    _assert_clean(llm.llm_engine)
+    check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(), use_tqdm=False), refs)
+    assert_pools_clean(llm.llm_engine)
 
 
 @pytest.mark.parametrize("budget", [100, 1024])  # the kernel on every step; prefill steps above its row limit
@@ -155,8 +69,8 @@ def test_bf16_checkpoint_runs_in_fp32_from_bf16_weights(checkpoints, budget):
     assert linears and all(isinstance(m, Bf16Linear) for m in linears), {type(m).__name__ for m in linears}
     # tied, and the lm_head now bf16 panels of its own: the fp32 table is freed
     assert isinstance(model.model.embed_tokens, Bf16Embedding)
-    check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
-    _assert_clean(llm.llm_engine)
+    check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(), use_tqdm=False), refs)
+    assert_pools_clean(llm.llm_engine)
 
 
 @pytest.mark.parametrize("budget", [48, 1024])  # chunked prefill (prefill continues from the slot); whole prompts
@@ -177,10 +91,10 @@ def test_bf16_model_runs_gated_deltanet_on_the_fp32_ops(checkpoints, budget, mon
     # the projections the fp32 ops read keep their fp32 sums; out_proj rounds as every other bf16 layer
     assert gdn and all(m.in_proj_qkvz.fp32_out and m.in_proj_ba.fp32_out and not m.out_proj.fp32_out for m in gdn)
     monkeypatch.setitem(cpu_kernels._state, "ops", recording)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(), use_tqdm=False)
     assert {"gdn_decode", "gdn_prefill"} <= set(calls)
-    _assert_near_reference(outputs, refs, max_drift=0.1, min_gap=0.5)
-    _assert_clean(llm.llm_engine)
+    assert_near_reference(outputs, refs, max_drift=0.1, min_gap=0.5)
+    assert_pools_clean(llm.llm_engine)
 
 
 class _RecordingGdnOps:
@@ -192,21 +106,6 @@ class _RecordingGdnOps:
     def __getattr__(self, name):
         op = getattr(self._real, name)
         return (lambda *a: self._calls.append(name) or op(*a)) if name.startswith("gdn_") else op
-
-
-def _assert_near_reference(outputs, refs, max_drift: float, min_gap: float) -> None:
-    """A not bit-exact run against transformers' fp32 greedy references: each output keeps the reference's tokens
-    with logprobs within max_drift until it parts where the reference's top two were under min_gap apart, and at
-    least half of the outputs never part."""
-    whole = 0
-    for out, ref in zip(outputs, refs):
-        tokens, logprobs = out.outputs[0].token_ids, out.outputs[0].logprobs
-        step = next((i for i, (a, b) in enumerate(zip(tokens, ref.tokens)) if a != b), len(tokens))
-        drift = [abs(logprobs[i][tokens[i]].logprob - ref.logprobs[i]) for i in range(step)]
-        assert max(drift, default=0.0) < max_drift, drift
-        assert step == len(tokens) or ref.top2_gap[step] < min_gap, (step, ref.top2_gap[step])
-        whole += step == len(tokens)
-    assert whole >= len(outputs) // 2
 
 
 @pytest.mark.parametrize("fused", [True, False])  # the C++ ops, or the plain-torch path other devices run
@@ -225,10 +124,10 @@ def test_bf16_recurrent_state(checkpoints, fused, budget, monkeypatch, caplog):
     pools = llm.llm_engine.runner.state_caches
     assert all(conv.dtype == torch.float32 and ssm.dtype == torch.bfloat16 for conv, ssm in pools)
     assert pools[0][1].shape == fp32[0][1].shape
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(), use_tqdm=False)
     assert ({"gdn_decode", "gdn_prefill"} <= set(calls)) == fused
-    _assert_near_reference(outputs, refs, max_drift=0.1, min_gap=0.5)
-    _assert_clean(llm.llm_engine)
+    assert_near_reference(outputs, refs, max_drift=0.1, min_gap=0.5)
+    assert_pools_clean(llm.llm_engine)
 
 
 def test_plain_torch_decode_path(checkpoints, monkeypatch):
@@ -237,8 +136,8 @@ def test_plain_torch_decode_path(checkpoints, monkeypatch):
     monkeypatch.setitem(cpu_kernels._state, "ops", None)
     path, prompts, refs = checkpoints("dense")
     llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=100)
-    check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
-    _assert_clean(llm.llm_engine)
+    check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(), use_tqdm=False), refs)
+    assert_pools_clean(llm.llm_engine)
 
 
 @pytest.mark.parametrize("kind,async_scheduling", [("dense", False), ("dense", True), ("moe", False), ("vl", False)])
@@ -250,9 +149,9 @@ def test_preemption(checkpoints, kind, async_scheduling):
     # request decodes, the newest ones are preempted, recomputed from token 0 into a fresh state
     # slot, and must still match.
     llm = _llm(path, num_gpu_blocks_override=78, block_size=4, max_model_len=312, async_scheduling=async_scheduling)
-    check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
+    check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(), use_tqdm=False), refs)
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    _assert_clean(llm.llm_engine)
+    assert_pools_clean(llm.llm_engine)
 
 
 @pytest.mark.parametrize("kind,async_scheduling", [("dense", False), ("dense", True), ("vl", False)])
@@ -262,10 +161,10 @@ def test_requests_join_while_others_decode(checkpoints, kind, async_scheduling):
     engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(
         path, skip_tokenizer_init=True, dtype="float32", num_gpu_blocks_override=256,
         max_num_batched_tokens=40, max_num_seqs=3, async_scheduling=async_scheduling))
-    outputs = generate_with_arrivals(engine, prompts, _params())
+    outputs = generate_with_arrivals(engine, prompts, greedy_params())
     assert engine.state_cache_manager.num_slots == 3
     check_outputs(outputs, refs)
-    _assert_clean(engine)
+    assert_pools_clean(engine)
 
 
 def test_moe_per_expert_and_fused_layouts(checkpoints, tmp_path):
@@ -278,7 +177,7 @@ def test_moe_per_expert_and_fused_layouts(checkpoints, tmp_path):
     shutil.copy(os.path.join(path, "config.json"), tmp_path / "config.json")
     for source in (path, str(tmp_path)):
         llm = _llm(source, num_gpu_blocks_override=256)
-        check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False), refs)
+        check_outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(), use_tqdm=False), refs)
 
 
 def _fuse_experts(tensors: dict, num_experts: int) -> dict:

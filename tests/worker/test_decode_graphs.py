@@ -17,7 +17,7 @@ from ascendserve.engine.llm_engine import LLMEngine
 from ascendserve.layers import cpu_kernels
 from ascendserve.worker.decode_graphs import EAGER_ENV, capture_sizes
 from tests.models.reference import check_outputs, generate_with_arrivals
-from tests.models.test_qwen3_5_parity import _assert_clean, _params, checkpoint_cache
+from tests.models.qwen3_5_tiny import assert_pools_clean, checkpoint_cache, greedy_params
 
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 
@@ -51,9 +51,9 @@ def test_decode_steps_through_the_static_buffers_match_transformers(checkpoints,
     # the scratch block and slot lie past what the managers hand out
     assert engine.runner.kv_caches[0].shape[1] == engine.kv_cache_manager.num_blocks + 1 == graphs.scratch_block + 1
     assert engine.runner.state_caches[0][1].shape[0] == engine.state_cache_manager.num_slots + 1
-    check_outputs(generate_with_arrivals(engine, prompts, _params()), refs)
+    check_outputs(generate_with_arrivals(engine, prompts, greedy_params()), refs)
     assert graphs.num_replays > 0 and len({rows for rows, _ in graphs.graphs}) >= 2, graphs.graphs
-    _assert_clean(engine)
+    assert_pools_clean(engine)
 
 
 def test_llama_decode_graphs_match_transformers(eager_graphs, tmp_path):
