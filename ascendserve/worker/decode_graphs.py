@@ -96,16 +96,19 @@ class DecodeGraphs:
         rows = next((s for s in self.sizes if s >= num_rows), None)
         return None if rows is None else (rows, min(1 << (num_blocks - 1).bit_length(), self.max_blocks))
 
-    def run(self, sched, token_ids: list[int]) -> torch.Tensor | None:
-        """The step's hidden states [decodes, hidden] from its graph, or None when it is not a pure decode step that
-        fits one (the caller runs the model eagerly then)."""
+    def plan(self, sched) -> tuple[np.ndarray, tuple[int, int]] | None:
+        """(context lengths, bucket) of a pure decode step that fits a graph, else None (the model runs eagerly). Reads
+        only what the scheduler fixed, as ModelRunner.prepare, which then builds no eager metadata for the step."""
         scheduled = sched.scheduled
         if not all(s.num_tokens == 1 and s.start_pos > 0 for s in scheduled):
             return None
         lens = np.fromiter((s.start_pos + 1 for s in scheduled), dtype=np.int64, count=len(scheduled))
         key = self.bucket(len(scheduled), int(-(-lens.max() // self.block_size)))
-        if key is None:
-            return None
+        return None if key is None else (lens, key)
+
+    def run(self, sched, token_ids: list[int], plan: tuple[np.ndarray, tuple[int, int]]) -> torch.Tensor:
+        """The hidden states [decodes, hidden] of a step `plan` took, from its bucket's graph (captured on first use)."""
+        scheduled, (lens, key) = sched.scheduled, plan
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         self._fill(scheduled, token_ids, lens, *key)

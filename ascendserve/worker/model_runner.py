@@ -30,11 +30,12 @@ class PreparedStep:
     """A step's inputs except the token ids, which async scheduling may only know at launch time."""
 
     sched: SchedulerOutput
-    positions: torch.Tensor
+    positions: torch.Tensor | None  # None, and the two metadata too, for a step a decode graph takes
     attn_meta: object  # AttentionMetadata
     state_meta: "StateMetadata | None"
     logits_rows: list[int]
     sampling: list[tuple[str, SamplingRow]]  # (request id, its sampling row) per row to sample
+    graph_plan: tuple | None = None  # DecodeGraphs.plan's (context lengths, bucket) for a step a graph takes
 
 
 @dataclass
@@ -132,17 +133,21 @@ class ModelRunner:
         """Positions, attention and state metadata, and sampling rows of a non-empty step.
 
         Reads only what the scheduler fixed (lengths, positions, blocks, slots), so it can run while
-        the previous step is still computing; the token ids are read by `execute`.
+        the previous step is still computing; the token ids are read by `execute`. A pure decode step
+        that a decode graph takes gets no positions or metadata: the graph's static buffers hold them.
         """
         query_lens = np.fromiter((s.num_tokens for s in sched.scheduled), dtype=np.int64)
-        starts = np.fromiter((s.start_pos for s in sched.scheduled), dtype=np.int64)
-        positions = np.concatenate([np.arange(s.start_pos, s.start_pos + s.num_tokens) for s in sched.scheduled])
-        meta = build_attention_metadata(query_lens, starts, positions, [s.block_ids for s in sched.scheduled],
-                                        self.block_size, self.device)
-        state_meta = None
-        if self.state_caches is not None:
-            state_meta = build_state_metadata(query_lens.tolist(), starts.tolist(),
-                                              [s.state_slot for s in sched.scheduled], self.device)
+        graph_plan = self.decode_graphs.plan(sched) if self.decode_graphs is not None else None
+        positions = meta = state_meta = None
+        if graph_plan is None:
+            starts = np.fromiter((s.start_pos for s in sched.scheduled), dtype=np.int64)
+            flat = np.concatenate([np.arange(s.start_pos, s.start_pos + s.num_tokens) for s in sched.scheduled])
+            meta = build_attention_metadata(query_lens, starts, flat, [s.block_ids for s in sched.scheduled],
+                                            self.block_size, self.device)
+            if self.state_caches is not None:
+                state_meta = build_state_metadata(query_lens.tolist(), starts.tolist(),
+                                                  [s.state_slot for s in sched.scheduled], self.device)
+            positions = torch.from_numpy(flat).to(self.device)
         ends = np.cumsum(query_lens) - 1
         logits_rows, sampling = [], []
         for s, end in zip(sched.scheduled, ends.tolist()):
@@ -151,15 +156,15 @@ class ModelRunner:
                 req = s.request
                 sampling.append((s.request_id, SamplingRow(
                     req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids)))
-        return PreparedStep(sched, torch.from_numpy(positions).to(self.device), meta, state_meta,
-                            logits_rows, sampling)
+        return PreparedStep(sched, positions, meta, state_meta, logits_rows, sampling, graph_plan)
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> ModelRunnerOutput:
         """Run a prepared step: the forward pass over its token ids, then sampling."""
         tokens = [t for s in step.sched.scheduled for t in s.token_ids]
-        hidden = self.decode_graphs.run(step.sched, tokens) if self.decode_graphs is not None else None
-        if hidden is None:  # not a pure decode step a graph takes (or no graphs): the model, eagerly
+        if step.graph_plan is not None:
+            hidden = self.decode_graphs.run(step.sched, tokens, step.graph_plan)
+        else:  # not a pure decode step a graph takes (or no graphs): the model, eagerly
             input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             if self.state_caches is None:
                 hidden = self.model(input_ids, step.positions, self.kv_caches, step.attn_meta)

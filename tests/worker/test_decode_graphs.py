@@ -51,8 +51,16 @@ def test_decode_steps_through_the_static_buffers_match_transformers(checkpoints,
     # the scratch block and slot lie past what the managers hand out
     assert engine.runner.kv_caches[0].shape[1] == engine.kv_cache_manager.num_blocks + 1 == graphs.scratch_block + 1
     assert engine.runner.state_caches[0][1].shape[0] == engine.state_cache_manager.num_slots + 1
+    prepare, prepared = engine.runner.prepare, []
+    monkeypatch.setattr(engine.runner, "prepare", lambda sched: prepared.append(prepare(sched)) or prepared[-1])
     check_outputs(generate_with_arrivals(engine, prompts, greedy_params()), refs)
     assert graphs.num_replays > 0 and len({rows for rows, _ in graphs.graphs}) >= 2, graphs.graphs
+    # a step a graph takes gets no eager positions or metadata (its buffers hold them); every other step does
+    planned = [step for step in prepared if step.graph_plan is not None]
+    assert len(planned) == graphs.num_replays < len(prepared)
+    assert all(step.positions is None and step.attn_meta is None and step.state_meta is None for step in planned)
+    assert all(step.positions is not None and step.attn_meta is not None and step.state_meta is not None
+               for step in prepared if step.graph_plan is None)
     assert_pools_clean(engine)
 
 
