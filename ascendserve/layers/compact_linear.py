@@ -165,17 +165,17 @@ class Bf16Linear(KernelLinear):
 
 
 class Bf16GateUpSilu(KernelLinear):
-    """A bf16 MLP's gate-and-up layer [2I, K] (gate rows first, no bias) with the SiLU-and-mul after it, in one op on
-    AMX or the vdpbf16ps tile, as Bf16Linear.for_bf16 would multiply (bf16_linear_silu_mul): each block's gate and up
-    sums rounded to bf16 as Bf16Linear.for_bf16 rounds them,
-    then silu_and_mul's arithmetic, so the same values as that layer and silu_and_mul one after the other, without
-    the [M, 2I] product written to memory and read back. Returns [M, I]; the module's activation becomes an identity
-    (prepack.py). Every batch, on the panels in gate / up pairs (pack_gate_up). 2-core Xeon with AMX, ms per call, the
-    pair / this (alternated, median of 31): the demo's 2048 x 576 -> 1536 3.85-4.13 / 3.30-3.32, 256 rows 0.49-0.58 /
-    0.45-0.46; Qwen3.5's 2048 x 1024 -> 3584 12.9-13.3 / 13.5-14.4 (the epilogue's vector work costs more beside AMX
-    there), 16-64 rows level. In-process 8 x 256 prefill: demo 0.39-0.42 -> 0.37-0.38 s, Qwen3.5 level. On the
-    vdpbf16ps tile (2-core Zen 4, no AMX; weights from DRAM, median of 5-30 alternated calls): 2048 rows demo 18.1 ->
-    17.4 ms, Qwen3.5 73.2 -> 70.7 ms; 64-256 rows 1-3% faster, one row level."""
+    """A bf16 MLP's gate-and-up layer [2I, K] (gate rows first, no bias) with the SiLU-and-mul after it, in one op
+    (bf16_linear_silu_mul) on the tile Bf16Linear.for_bf16 would take, AMX or vdpbf16ps: each block's gate and up
+    sums rounded to bf16 as that layer rounds them, then silu_and_mul's arithmetic, so the same values as the layer
+    and silu_and_mul one after the other, without the [M, 2I] product written to memory and read back. Returns
+    [M, I]; the module's activation becomes an identity (prepack.py). Every batch, on the panels in gate / up pairs
+    (pack_gate_up). 2-core Xeon with AMX, ms per call, the pair / this (alternated, median of 31): the demo's 2048 x
+    576 -> 1536 3.85-4.13 / 3.30-3.32, 256 rows 0.49-0.58 / 0.45-0.46; Qwen3.5's 2048 x 1024 -> 3584 12.9-13.3 /
+    13.5-14.4 (the epilogue's vector work costs more beside AMX there), 16-64 rows level. In-process 8 x 256
+    prefill: demo 0.39-0.42 -> 0.37-0.38 s, Qwen3.5 level. On the vdpbf16ps tile (2-core Zen 4, no AMX; weights
+    from DRAM, median of 5-30 alternated calls): 2048 rows demo 18.1 -> 17.4 ms, Qwen3.5 73.2 -> 70.7 ms; 64-256
+    rows 1-3% faster, one row level."""
 
     max_rows = 1 << 62
     weight_format = "bf16 gate / up panel pairs"
