@@ -75,14 +75,17 @@ class DecodeGraphs:
         self.capture = runner.device.type == "cuda" and not env_switch(EAGER_ENV)
         rows, device = sizes[-1], runner.device
         long = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(rows, **long)
-        self.positions = torch.zeros(rows, **long)
-        self.kv_slots = torch.zeros(rows, **long)
-        self.context_lens = torch.ones(rows, **long)
-        self.state_slots = torch.zeros(rows, **long)
+        # One flat buffer, [5 x rows | rows x max_blocks], and its host copy: token ids, positions, KV slots, context
+        # lengths and state slots, then the block table, flat so that each bucket's [rows, blocks] table (and mask) is
+        # a contiguous view of its first elements. A step writes the host copy and sends what its bucket reads in one
+        # copy (before: six copies and a device-side arange).
+        self._staged = torch.zeros(5 * rows + rows * self.max_blocks, **long)
+        self._host = np.zeros(self._staged.numel(), dtype=np.int64)
+        self.input_ids, self.positions, self.kv_slots, self.context_lens, self.state_slots = \
+            self._staged[:5 * rows].view(5, rows)
+        self.tables = self._staged[5 * rows:]
         self.rows = torch.arange(rows, **long)
-        # flat, so that each bucket's [rows, blocks] table and mask are contiguous views of their first elements
-        self.tables = torch.zeros(rows * self.max_blocks, **long)
+        self._span = torch.arange(self.max_blocks * self.block_size, **long)
         self.mask = torch.zeros(rows * self.max_blocks * self.block_size, dtype=torch.bool, device=device)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, blocks) -> (graph or None, output)
         self._pool = None
@@ -122,27 +125,22 @@ class DecodeGraphs:
 
     def _fill(self, scheduled, token_ids: list[int], lens: np.ndarray, rows: int, blocks: int) -> None:
         """Write the step into the static buffers: its decodes in the first rows, scratch in the rest."""
-        n, bs = len(scheduled), self.block_size
+        n, bs, size = len(scheduled), self.block_size, self.sizes[-1]
         pos = lens - 1
-        tables = np.full((rows, blocks), self.scratch_block, dtype=np.int64)
+        ids = self._host[:5 * size].reshape(5, size)  # ids, positions, kv slots, context lengths, state slots
+        tables = self._host[5 * size:5 * size + rows * blocks].reshape(rows, blocks)
+        tables.fill(self.scratch_block)
         for i, s in enumerate(scheduled):
             tables[i, :len(s.block_ids)] = s.block_ids[:blocks]
-        slots = np.full(rows, self.scratch_block * bs, dtype=np.int64)
-        slots[:n] = tables[np.arange(n), pos // bs] * bs + pos % bs
-        context = np.ones(rows, dtype=np.int64)
-        context[:n] = lens
-        ids = np.zeros((5, rows), dtype=np.int64)  # ids, positions, kv slots, context lengths, state slots
-        ids[0, :n], ids[1, :n], ids[2], ids[3] = token_ids, pos, slots, context
+        ids[:, :rows] = ((0,), (0,), (self.scratch_block * bs,), (1,), (self.scratch_state_slot or 0,))
+        ids[0, :n], ids[1, :n], ids[3, :n] = token_ids, pos, lens
+        ids[2, :n] = tables[np.arange(n), pos // bs] * bs + pos % bs
         if self.scratch_state_slot is not None:
-            ids[4] = self.scratch_state_slot
             ids[4, :n] = [s.state_slot for s in scheduled]
-        staged = torch.from_numpy(ids).to(self.runner.device, non_blocking=True)
-        for buffer, values in zip((self.input_ids, self.positions, self.kv_slots, self.context_lens,
-                                   self.state_slots), staged):
-            buffer[:rows].copy_(values)
-        self.tables[:rows * blocks].copy_(torch.from_numpy(tables.reshape(-1)).to(self.runner.device))
-        span = torch.arange(blocks * bs, device=self.runner.device)
-        self.mask[:rows * blocks * bs].view(rows, -1).copy_(span[None, :] < self.context_lens[:rows, None])
+        used = 5 * size + rows * blocks  # the ids of every row (rows past the bucket unread) and the bucket's table
+        self._staged[:used].copy_(torch.from_numpy(self._host[:used]))
+        torch.lt(self._span[None, :blocks * bs], self.context_lens[:rows, None],
+                 out=self.mask[:rows * blocks * bs].view(rows, -1))
 
     def _fill_scratch(self, rows: int, blocks: int) -> None:
         """Every row of a bucket on scratch (for warm-up and capture, which must change no request's cache): a step
