@@ -15,16 +15,17 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from ascendserve import LLM, SamplingParams
 from ascendserve.config import EngineArgs
 from ascendserve.engine.llm_engine import LLMEngine
 from ascendserve.platforms import get_platform
 from ascendserve.worker.decode_graphs import EAGER_ENV
-from tests.models.reference import check_outputs, generate_with_arrivals, hf_greedy, make_prompts, randomize_
-from tests.models.qwen3_5_tiny import (LENGTHS, MAX_NEW, TEXT, VOCAB, assert_near_reference, assert_pools_clean,
-                                       checkpoint_cache)
+from tests.models.llama_tiny import LLAMA_NEW, build_llama
+from tests.models.qwen3_5_tiny import (LENGTHS, MAX_NEW, TEXT, assert_near_reference, assert_pools_clean,
+                                       checkpoint_cache, greedy_params)
+from tests.models.reference import check_outputs, generate_with_arrivals
 
 DEVICE = os.environ.get("ASCENDSERVE_TEST_DEVICE", "cuda")
 
@@ -52,12 +53,8 @@ def _llm(path, dtype="float32", **engine_args):
     return LLM(path, skip_tokenizer_init=True, dtype=dtype, device=DEVICE, **engine_args)
 
 
-def _params(**kwargs):
-    return SamplingParams(**{"temperature": 0, "max_tokens": MAX_NEW, "logprobs": 0, "ignore_eos": True, **kwargs})
-
-
 def _generate(llm, prompts, params=None):
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params or _params(), use_tqdm=False)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params or greedy_params(), use_tqdm=False)
 
 
 def _assert_on_device(engine) -> None:
@@ -96,7 +93,7 @@ def test_qwen3_5_requests_join_while_others_decode(checkpoints, async_scheduling
     engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(
         path, skip_tokenizer_init=True, dtype="float32", device=DEVICE, num_gpu_blocks_override=256,
         max_num_batched_tokens=40, max_num_seqs=3, async_scheduling=async_scheduling, enforce_eager=True))
-    check_outputs(generate_with_arrivals(engine, prompts, _params()), refs)
+    check_outputs(generate_with_arrivals(engine, prompts, greedy_params()), refs)
     assert_pools_clean(engine)
 
 
@@ -120,26 +117,9 @@ def test_qwen3_5_auto_dtype_is_bf16_on_the_accelerator(checkpoints):
     assert llm.llm_engine.config.dtype == torch.bfloat16
 
 
-LLAMA_NEW = 12  # long enough that the preemption test's requests outgrow their 78 blocks
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return build_llama(tmp_path_factory.mktemp("llama"))
-
-
-def build_llama(path) -> tuple[str, list[list[int]], list]:
-    """A tiny random Llama saved at `path`, its prompts (three with a shared prefix) and transformers' references."""
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-                         tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    randomize_(model, seed=1)
-    model.save_pretrained(path)
-    prompts = make_prompts(VOCAB, [1, 7, 16, 17, 64, 100, 255, 300], seed=2)
-    prompts += make_prompts(VOCAB, [40, 90, 130], seed=3, shared_prefix=35)
-    return str(path), prompts, [hf_greedy(model, p, LLAMA_NEW) for p in prompts]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -148,8 +128,8 @@ def test_llama_chunked_prefill_and_prefix_cache(llama, async_scheduling):
     llm = _llm(path, num_gpu_blocks_override=256, max_num_batched_tokens=48, enable_prefix_caching=True,
                async_scheduling=async_scheduling, enforce_eager=True)
     _assert_on_device(llm.llm_engine)
-    check_outputs(_generate(llm, prompts, _params(max_tokens=LLAMA_NEW)), refs)
-    again = _generate(llm, prompts, _params(max_tokens=LLAMA_NEW))  # every full block of every prompt is now cached
+    check_outputs(_generate(llm, prompts, greedy_params(max_tokens=LLAMA_NEW)), refs)
+    again = _generate(llm, prompts, greedy_params(max_tokens=LLAMA_NEW))  # every full block of every prompt is now cached
     assert max(o.num_cached_tokens for o in again) >= 288
     check_outputs(again, refs)
     _assert_clean_pool(llm)
@@ -161,7 +141,7 @@ def test_llama_preemption_compiled(llama):
     prompts, refs = [prompts[i] for i in order], [refs[i] for i in order]
     llm = _llm(path, num_gpu_blocks_override=78, block_size=4, max_model_len=312, enable_prefix_caching=False,
                enforce_eager=False)
-    check_outputs(_generate(llm, prompts, _params(max_tokens=LLAMA_NEW)), refs)
+    check_outputs(_generate(llm, prompts, greedy_params(max_tokens=LLAMA_NEW)), refs)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     _assert_clean_pool(llm)
 
@@ -188,14 +168,14 @@ def test_decode_graphs(checkpoints, llama, kind, monkeypatch):
     if kind == "llama":
         path, prompts, refs = llama
         llm = _llm(path, num_gpu_blocks_override=256, compilation_config=graphs_config, max_num_seqs=6)
-        check_outputs(_generate(llm, prompts, _params(max_tokens=LLAMA_NEW)), refs)
+        check_outputs(_generate(llm, prompts, greedy_params(max_tokens=LLAMA_NEW)), refs)
         engine = llm.llm_engine
     else:
         path, prompts, refs = checkpoints(kind)
         engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(
             path, skip_tokenizer_init=True, dtype="float32", device=DEVICE, num_gpu_blocks_override=256,
             max_num_batched_tokens=40, max_num_seqs=6, compilation_config=graphs_config))
-        check_outputs(generate_with_arrivals(engine, prompts, _params()), refs)
+        check_outputs(generate_with_arrivals(engine, prompts, greedy_params()), refs)
         assert_pools_clean(engine)
     graphs = engine.runner.decode_graphs
     assert graphs.num_replays > 0 and graphs.graphs and (graphs.capture or DEVICE == "cpu")  # cpu: the eager stand-in

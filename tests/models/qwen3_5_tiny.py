@@ -87,9 +87,9 @@ def checkpoint_cache(tmp_path_factory):
     return get
 
 
-def greedy_params():
-    """Greedy, MAX_NEW tokens, the sampled token's logprob, past EOS."""
-    return SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
+def greedy_params(**overrides) -> SamplingParams:
+    """Greedy, MAX_NEW tokens, the sampled token's logprob, past EOS (any field overridden)."""
+    return SamplingParams(**{"temperature": 0, "max_tokens": MAX_NEW, "logprobs": 0, "ignore_eos": True, **overrides})
 
 
 def assert_pools_clean(engine):

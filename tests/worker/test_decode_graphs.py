@@ -16,8 +16,9 @@ from ascendserve.config import EngineArgs
 from ascendserve.engine.llm_engine import LLMEngine
 from ascendserve.layers import cpu_kernels
 from ascendserve.worker.decode_graphs import EAGER_ENV, capture_sizes
-from tests.models.reference import check_outputs, generate_with_arrivals
+from tests.models.llama_tiny import LLAMA_NEW, build_llama
 from tests.models.qwen3_5_tiny import assert_pools_clean, checkpoint_cache, greedy_params
+from tests.models.reference import check_outputs, generate_with_arrivals
 
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 
@@ -65,12 +66,10 @@ def test_decode_steps_through_the_static_buffers_match_transformers(checkpoints,
 
 
 def test_llama_decode_graphs_match_transformers(eager_graphs, tmp_path):
-    from tests.cuda.test_cuda_engine import LLAMA_NEW, build_llama
-    from tests.cuda.test_cuda_engine import _params as params
     path, prompts, refs = build_llama(tmp_path)
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", num_gpu_blocks_override=256, max_model_len=512,
               compilation_config=GRAPHS, max_num_seqs=4)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params(max_tokens=LLAMA_NEW), use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(max_tokens=LLAMA_NEW), use_tqdm=False)
     check_outputs(outputs, refs)
     assert llm.llm_engine.runner.decode_graphs.num_replays > 0
 
