@@ -83,6 +83,13 @@ class KernelLinear(nn.Module):
                f"weight={self.weight_format} ({compute})"
 
 
+def fused_ops_run(kernels, in_features: int) -> bool:
+    """Whether the ops fused onto a bf16 layer's sums (bf16_linear_argmax, bf16_linear_silu_mul) run for K =
+    in_features: on AMX where K is a multiple of 32, else on the vdpbf16ps tile where the CPU has AVX512-BF16 (the
+    tiles bf16_linear_bf16x takes, csrc's fused_on_amx)."""
+    return (in_features % 32 == 0 and bool(kernels.bf16_amx())) or bool(kernels.bf16_dot())
+
+
 class Bf16Linear(KernelLinear):
     """y = x @ W.T + b with W held as bf16 panels: fp32 in and out for an fp32 layer whose values are all bf16 (exact),
     bf16 in and out for a bf16 layer (a model run in bf16: Bf16Linear.for_bf16)."""
@@ -128,9 +135,7 @@ class Bf16Linear(KernelLinear):
         layer.max_rows = 1 << 62  # the kernel takes every batch
         # argmax's fused op (bf16_linear_argmax): fp32 outputs without a bias, on AMX (K a multiple of its 32 inputs) or
         # on the vdpbf16ps tile
-        layer.argmax_fused = (fp32_out and linear.bias is None
-                              and ((linear.in_features % 32 == 0 and bool(kernels.bf16_amx()))
-                                   or bool(kernels.bf16_dot())))
+        layer.argmax_fused = fp32_out and linear.bias is None and fused_ops_run(kernels, linear.in_features)
         if linear.bias is not None:
             layer.register_buffer("bias_fp32", linear.bias.detach().float(), persistent=False)
         return layer
@@ -193,7 +198,7 @@ class Bf16GateUpSilu(KernelLinear):
         weight = linear.weight
         return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and linear.bias is None
                 and linear.in_features % 2 == 0 and linear.out_features % (2 * PANEL_ROWS) == 0
-                and ((linear.in_features % 32 == 0 and bool(kernels.bf16_amx())) or bool(kernels.bf16_dot())))
+                and fused_ops_run(kernels, linear.in_features))
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.bf16_linear_silu_mul(x, self.packed, self.out_features)

@@ -452,6 +452,15 @@ bool bf16_amx() {
 #endif
 }
 
+// Whether the fused ops on bf16_linear_bf16x's sums (bf16_linear_silu_mul, bf16_linear_argmax) multiply on AMX for K
+// inputs (a multiple of 32), else on the vdpbf16ps tile: the tile bf16_linear_bf16x takes there. An error naming `op`
+// where neither runs.
+bool fused_on_amx(int64_t k, const char* op) {
+  const bool on_amx = bf16_amx() && k % 32 == 0;
+  TORCH_CHECK(on_amx || bf16_dot(), op, ": needs AMX (K a multiple of 32, K=", k, ") or AVX512-BF16");
+  return on_amx;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                   bool portable);
 
@@ -541,8 +550,7 @@ at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   [[maybe_unused]] const int64_t m_rows = x.size(0), k = x.size(1), kpairs = packed.size(1);
   TORCH_CHECK(n > 0 && n % kPanel == 0 && packed.size(0) == 2 * n / kPanel, "bf16_linear_silu_mul: n=", n,
               " must be a multiple of 32 with 2n/32 = ", packed.size(0), " panels");
-  const bool on_amx = bf16_amx() && k % 32 == 0;
-  TORCH_CHECK(on_amx || bf16_dot(), "bf16_linear_silu_mul: needs AMX (K a multiple of 32, K=", k, ") or AVX512-BF16");
+  [[maybe_unused]] const bool on_amx = fused_on_amx(k, "bf16_linear_silu_mul");
   at::Tensor out = at::empty({m_rows, n}, x.options());
 #if defined(ASCENDSERVE_BF16_DOT)
   if (m_rows == 0) return out;
@@ -596,8 +604,7 @@ at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int
   const PanelShape shape = checked_shape(x, at::kBFloat16, packed, n, "bf16_linear_argmax");
   [[maybe_unused]] const int64_t m_rows = shape.m_rows, k = shape.k, panels = shape.panels, kpairs = shape.kpairs;
   TORCH_CHECK(n > 0, "bf16_linear_argmax: n must be positive");
-  const bool on_amx = bf16_amx() && k % 32 == 0;
-  TORCH_CHECK(on_amx || bf16_dot(), "bf16_linear_argmax: needs AMX (K a multiple of 32, K=", k, ") or AVX512-BF16");
+  [[maybe_unused]] const bool on_amx = fused_on_amx(k, "bf16_linear_argmax");
   at::Tensor out = at::empty({m_rows}, x.options().dtype(at::kLong));
 #if defined(ASCENDSERVE_BF16_DOT)
   if (m_rows == 0) return out;
