@@ -5,6 +5,7 @@ import shutil
 import tempfile
 
 import pytest
+import torch
 
 from ascendserve.loader.gguf_loader import TOKENIZER_CACHE_ENV_VAR
 
@@ -12,6 +13,12 @@ from ascendserve.loader.gguf_loader import TOKENIZER_CACHE_ENV_VAR
 pytest.register_assert_rewrite("tests.models.reference", "tests.models.qwen3_5_tiny")
 
 _OWN_CACHE: list[str] = []
+
+# Without a GPU the Triton kernels' tests (tests/layers/test_triton_decode.py) run them under Triton's interpreter. It
+# must be on before triton is first imported, which torch.compile may do in any test: triton's own library functions
+# take their interpreted form as triton loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):

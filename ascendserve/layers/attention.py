@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ascendserve.layers import cpu_kernels
+from ascendserve.layers import cpu_kernels, triton_kernels
 
 
 @dataclass
@@ -150,13 +150,17 @@ def _decode(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     go to SDPA as G query rows of head j, q [Bd, Hk, G, D]: each kv head's K/V is read once for its
     G queries, a [G, D] x [D, T] product, not once per query head. No causal mask: the
     new token sees its whole context; the length mask hides the padding of shorter requests.
-    On CPU the C++ kernel (cpu_kernels) does the same reading K/V in place, without the gather.
+    On CPU the C++ kernel (cpu_kernels) does the same reading K/V in place, without the gather; on a GPU so does
+    the Triton kernel when ASCENDSERVE_TRITON_KERNELS=1 (layers/triton_kernels.py).
     """
     if (q.device.type == "cpu" and _kernel_reads(q.dtype, kv_cache.dtype)
             and (kernels := cpu_kernels.ops()) is not None):  # fp32 queries, as paged_attention's decode-only steps
         out = kernels.paged_decode(q.float() if _widen_queries(q, kv_cache, kernels) else q, kv_cache,
                                    meta.decode_block_tables, meta.decode_context_lens, scale)
         return out.to(q.dtype)
+    if ((kernels := triton_kernels.ops_for(q)) is not None
+            and kernels.supports_paged_decode(kv_cache.shape[2], kv_cache.shape[-1])):
+        return kernels.paged_decode(q, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[-2]
     kv = _gather_decode_blocks(kv_cache, meta).to(q.dtype)  # [2, Bd, T, Hk, D]

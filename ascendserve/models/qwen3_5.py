@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascendserve.layers import cpu_kernels
+from ascendserve.layers import cpu_kernels, triton_kernels
 from ascendserve.layers.activation import GatedActivation
 from ascendserve.layers.attention import AttentionMetadata, paged_attention
 from ascendserve.layers.gated_deltanet import (causal_conv1d_decode, causal_conv1d_prefill,
@@ -147,13 +147,10 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             out = self._fused(kernels, qkvz, ba, state, meta)
             return self.out_proj(out.to(hidden.dtype))
         mixed_qkv, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
-        b, a = ba.split([self.num_v_heads, self.num_v_heads], dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         core = _by_kind(
             meta, qkvz.new_empty(hidden.shape[0], self.num_v_heads, self.head_v_dim),
-            lambda rows: self._decode(*_take(rows, mixed_qkv, g, beta), state, meta),
-            lambda rows: self._prefill(*_take(rows, mixed_qkv, g, beta), state, meta))
+            lambda rows: self._decode(*_take(rows, mixed_qkv, ba), state, meta),
+            lambda rows: self._prefill(*_take(rows, mixed_qkv, ba), state, meta))
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(hidden.shape[0], self.value_dim).to(hidden.dtype))
 
@@ -201,16 +198,26 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         return (q.reshape(-1, self.num_k_heads, self.head_k_dim), k.reshape(-1, self.num_k_heads, self.head_k_dim),
                 v.reshape(-1, self.num_v_heads, self.head_v_dim))
 
-    def _decode(self, mixed_qkv, g, beta, state, meta) -> torch.Tensor:
+    def _gates(self, ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, beta) from in_proj_ba's rows: the log-decay -exp(A_log) softplus(a + dt_bias) in fp32, sigmoid(b)."""
+        b, a = ba.split([self.num_v_heads, self.num_v_heads], dim=-1)
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()
+
+    def _decode(self, mixed_qkv, ba, state, meta) -> torch.Tensor:
         conv_states, ssm_states = state
-        x = causal_conv1d_decode(mixed_qkv, self.conv1d.weight.squeeze(1), conv_states, meta.decode_slots,
-                                 activation=self.activation)
+        weight = self.conv1d.weight.squeeze(1)
+        if (kernels := triton_kernels.ops_for(mixed_qkv)) is not None:  # the same two steps, one launch each
+            x = kernels.causal_conv1d_decode(mixed_qkv, weight, conv_states, meta.decode_slots, self.activation)
+            return kernels.gated_delta_rule_decode(x, ba, self.A_log, self.dt_bias, ssm_states, meta.decode_slots,
+                                                   self.num_k_heads, self.head_k_dim, self.head_v_dim)
+        x = causal_conv1d_decode(mixed_qkv, weight, conv_states, meta.decode_slots, activation=self.activation)
         q, k, v = self._split_heads(x)
-        return recurrent_gated_delta_rule(q, k, v, g, beta, ssm_states, meta.decode_slots,
+        return recurrent_gated_delta_rule(q, k, v, *self._gates(ba), ssm_states, meta.decode_slots,
                                           slot_block=meta.decode_slot_block, use_qk_l2norm_in_kernel=True)
 
-    def _prefill(self, mixed_qkv, g, beta, state, meta) -> torch.Tensor:
+    def _prefill(self, mixed_qkv, ba, state, meta) -> torch.Tensor:
         conv_states, ssm_states = state
+        g, beta = self._gates(ba)
         slots, cu_seqlens, has_initial = meta.prefill_slots, meta.prefill_cu_seqlens, meta.prefill_has_initial_state
         x = causal_conv1d_prefill(mixed_qkv, self.conv1d.weight.squeeze(1), conv_states, cu_seqlens, slots,
                                   has_initial, activation=self.activation)

@@ -1,0 +1,195 @@
+"""Triton kernels for a decode step on GPUs: the Gated DeltaNet conv and recurrent update, paged decode attention.
+
+Each replaces a chain of small torch ops with one launch that reads its state slot or cache blocks in place. On an
+H200 a Qwen3.5-0.8B decode step was ~2170 kernel-launching ops, the 18 Gated DeltaNet layers 954 of them (casts,
+l2norm, bmm, baddbmm, index_copy), and decode attention gathered every block of every request into a workspace to
+mask it for SDPA (BENCHMARKS.md, run 99). The same math as the plain-torch forms (layers/gated_deltanet.py and
+layers/attention.py), sums in another order; the conv and the delta rule round where those do, attention stays fp32
+throughout (as the CPU kernel). Imported only through layers/triton_kernels.py; under Triton's interpreter
+(TRITON_INTERPRET=1) the kernels run on CPU tensors, which is how the tests check them.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+CONV_BLOCK = 128  # channels per conv program
+STATE_BLOCK_V = 32  # value columns of the recurrent state per program: a [dk, 32] fp32 tile (dk 128: 16 KiB)
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    """The block a dimension of n takes: a power of two >= n (tl.arange's rule), at least `least` (tl.dot's)."""
+    return max(least, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _conv1d_decode_kernel(x_ptr, x_row, w_ptr, w_row, state_ptr, s_slot, s_chan, s_col, slot_ptr, y_ptr, channels,
+                          WIDTH: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One row's conv step over BLOCK_C channels: y = act(sum_j state[j] w[j] + x w[WIDTH]); state shifts left.
+
+    The window is taken in the weight's dtype (as the torch form concatenates it), summed in fp32 and rounded to
+    the weight's dtype before the activation. Each thread loads column j of its channels and stores it at j - 1,
+    so no element is read after another thread wrote it.
+    """
+    row = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < channels
+    wdt = w_ptr.dtype.element_ty
+    sdt = state_ptr.dtype.element_ty
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    state_at = state_ptr + slot * s_slot + c * s_chan
+    x = tl.load(x_ptr + row * x_row + c, mask=ok, other=0.0).to(wdt)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        col = tl.load(state_at + j * s_col, mask=ok, other=0.0).to(wdt)
+        acc += col.to(tl.float32) * tl.load(w_ptr + c * w_row + j, mask=ok, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(state_at + (j - 1) * s_col, col.to(sdt), mask=ok)
+    acc += x.to(tl.float32) * tl.load(w_ptr + c * w_row + WIDTH, mask=ok, other=0.0).to(tl.float32)
+    tl.store(state_at + (WIDTH - 1) * s_col, x.to(sdt), mask=ok)
+    y = acc.to(wdt).to(tl.float32)
+    if SILU:
+        y = y * tl.sigmoid(y)
+    tl.store(y_ptr + row * channels + c, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_indices: torch.Tensor,
+                         activation: str | None = "silu") -> torch.Tensor:
+    """layers/gated_deltanet.causal_conv1d_decode in one launch: x [B, C] (rows may be strided) -> [B, C] in x's dtype;
+    shifts x into conv_states[state_indices] ([num_slots, C, K-1]) in place."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported conv activation {activation!r}; expected 'silu', 'swish' or None")
+    batch, channels = x.shape
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("causal_conv1d_decode: x and weight need contiguous channels rows")
+    out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
+    if batch:
+        grid = (batch, triton.cdiv(channels, CONV_BLOCK))
+        _conv1d_decode_kernel[grid](x, x.stride(0), weight, weight.stride(0), conv_states, conv_states.stride(0),
+                                    conv_states.stride(1), conv_states.stride(2), state_indices, out, channels,
+                                    WIDTH=weight.shape[1] - 1, SILU=activation is not None, BLOCK_C=CONV_BLOCK)
+    return out
+
+
+@triton.jit
+def _gated_delta_rule_decode_kernel(x_ptr, x_row, ba_ptr, ba_row, a_log_ptr, dt_bias_ptr, state_ptr, s_slot, slot_ptr,
+                                    out_ptr, scale, key_dim, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                                    DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Value head h of one row, BV of its dv columns: gates from (b, a), l2-normalized q / k, then
+    S = exp(g) S; S += k (x) beta (v - S^T k); o = S^T q, the slot's [dk, BV] tile read and written once."""
+    row = tl.program_id(0) // HV
+    h = tl.program_id(0) % HV
+    kh = h // (HV // HK)  # value head h reads key head h // (Hv / Hk), as repeat_interleave
+    kk = tl.arange(0, BK)
+    vv = tl.program_id(1) * BV + tl.arange(0, BV)
+    k_ok, v_ok = kk < DK, vv < DV
+    x_at = x_ptr + row * x_row
+    q = tl.load(x_at + kh * DK + kk, mask=k_ok, other=0.0).to(tl.float32)
+    k = tl.load(x_at + key_dim + kh * DK + kk, mask=k_ok, other=0.0).to(tl.float32)
+    v = tl.load(x_at + 2 * key_dim + h * DV + vv, mask=v_ok, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    # beta = sigmoid(b) in b's dtype; g = -exp(A_log) softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch)
+    beta = tl.sigmoid(tl.load(ba_ptr + row * ba_row + h).to(tl.float32)).to(ba_ptr.dtype.element_ty).to(tl.float32)
+    a = tl.load(ba_ptr + row * ba_row + HV + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    s_at = state_ptr + slot * s_slot + h * DK * DV + kk[:, None] * DV + vv[None, :]
+    s_ok = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(s_at, mask=s_ok, other=0.0).to(tl.float32) * decay
+    delta = (v - tl.sum(s * k[:, None], 0)) * beta
+    s += k[:, None] * delta[None, :]
+    tl.store(s_at, s.to(state_ptr.dtype.element_ty), mask=s_ok)
+    o = tl.sum(s * q[:, None], 0)
+    tl.store(out_ptr + (row * HV + h) * DV + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
+
+
+def gated_delta_rule_decode(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                            states: torch.Tensor, state_indices: torch.Tensor, num_k_heads: int,
+                            head_k_dim: int, head_v_dim: int, scale: float | None = None) -> torch.Tensor:
+    """One decode step of the gated delta rule from the conv output, in one launch.
+
+    x [B, 2 Hk dk + Hv dv] (q | k | v after the conv); ba [B, 2 Hv] (b | a, the raw in_proj_ba); states
+    [num_slots, Hv, dk, dv] (fp32, bf16 or fp16; fp32 arithmetic, rounded once as stored), updated in place at
+    state_indices. Returns o [B, Hv, dv] in x's dtype: what Qwen3_5GatedDeltaNet's torch path gets from
+    computing g and beta and calling recurrent_gated_delta_rule(..., use_qk_l2norm_in_kernel=True).
+    """
+    batch = x.shape[0]
+    num_v_heads = ba.shape[1] // 2
+    if x.stride(1) != 1 or ba.stride(1) != 1 or not states[0].is_contiguous():
+        raise ValueError("gated_delta_rule_decode: x and ba need contiguous rows, each state slot contiguous")
+    out = torch.empty(batch, num_v_heads, head_v_dim, dtype=x.dtype, device=x.device)
+    if batch:
+        block_v = min(STATE_BLOCK_V, _pow2(head_v_dim))
+        grid = (batch * num_v_heads, triton.cdiv(head_v_dim, block_v))
+        _gated_delta_rule_decode_kernel[grid](
+            x, x.stride(0), ba, ba.stride(0), a_log, dt_bias, states, states.stride(0), state_indices, out,
+            head_k_dim ** -0.5 if scale is None else scale, num_k_heads * head_k_dim,
+            HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=_pow2(head_k_dim), BV=block_v)
+    return out
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, q_row, k_ptr, v_ptr, c_block, c_token, table_ptr, table_row, ctx_ptr, out_ptr, o_row,
+                         scale, GROUP: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """KV head `kvh` of one request: its GROUP query heads (padded to BG rows for tl.dot) over the request's
+    blocks, one cache block a step with an online softmax. All in fp32 (K / V widened as read; the products exact,
+    `ieee`): decode attention is bound by reading the cache, and the interpreter's tl.dot does not take bf16."""
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    g = tl.arange(0, BG)
+    d = tl.arange(0, BD)
+    t = tl.arange(0, BLOCK)
+    g_ok, d_ok = g < GROUP, d < D
+    q = tl.load(q_ptr + row * q_row + (kvh * GROUP + g)[:, None] * D + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    context = tl.load(ctx_ptr + row)
+    m = tl.full([BG], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([BG], dtype=tl.float32)
+    acc = tl.zeros([BG, BD], dtype=tl.float32)
+    for i in range(0, tl.cdiv(context, BLOCK)):
+        block = tl.load(table_ptr + row * table_row + i).to(tl.int64)
+        seen = i * BLOCK + t < context
+        at = block * c_block + t[:, None] * c_token + kvh * D + d[None, :]
+        kv_ok = seen[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + at, mask=kv_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + at, mask=kv_ok, other=0.0).to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        scores = tl.where(seen[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        rescale = tl.exp(m - m_new)
+        denom = denom * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+        m = m_new
+    out = acc / denom[:, None]
+    tl.store(out_ptr + row * o_row + (kvh * GROUP + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None] & d_ok[None, :])
+
+
+def supports_paged_decode(block_size: int, head_dim: int) -> bool:
+    """Whether paged_decode takes this cache layout: tl.dot's operands need a block of >= 16 tokens, a power of two."""
+    return block_size >= 16 and block_size & (block_size - 1) == 0 and head_dim >= 16
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """layers/attention._decode without the gather: q [Bd, Hq, D] (one token per request) over its cached blocks
+    -> [Bd, Hq, D] in q's dtype, computed in fp32 (as the CPU kernel; SDPA's bf16 path rounds its probabilities).
+    kv_cache [2, num_blocks, block_size, Hk, D]; block_tables [Bd, >= ceil(context / block_size)]; context_lens [Bd] (the new token included)."""
+    batch, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    if not supports_paged_decode(block_size, head_dim) or kv_cache.stride(4) != 1 or kv_cache.stride(3) != head_dim:
+        raise ValueError(f"paged_decode: block_size {block_size} must be a power of two >= 16, each token's heads "
+                         "contiguous")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if batch:
+        group = num_heads // num_kv_heads
+        _paged_decode_kernel[(batch, num_kv_heads)](
+            q, q.stride(0), kv_cache[0], kv_cache[1], kv_cache.stride(1), kv_cache.stride(2), block_tables,
+            block_tables.stride(0), context_lens, out, out.stride(0), scale, GROUP=group, BG=_pow2(group), D=head_dim,
+            BD=_pow2(head_dim), BLOCK=block_size)
+    return out

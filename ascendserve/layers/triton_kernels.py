@@ -1,0 +1,45 @@
+"""Whether a decode step's Gated DeltaNet and attention run as the Triton kernels of layers/triton_decode.py.
+
+ASCENDSERVE_TRITON_KERNELS=1 turns them on for tensors on a CUDA device; unset or 0, the plain-torch forms run. They
+are off by default until a GPU run has measured them (checked for correctness against the torch forms under Triton's
+interpreter only: tests/layers/test_triton_decode.py). Under the interpreter (TRITON_INTERPRET=1, set before triton
+is first imported) the switch also takes CPU tensors, so the engine's tests can run a whole model through them.
+"""
+
+import os
+import threading
+
+import torch
+
+from ascendserve.config import env_switch
+from ascendserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+ENV_VAR = "ASCENDSERVE_TRITON_KERNELS"
+_lock = threading.Lock()
+_state: dict = {}  # "ops": the imported triton_decode module, or None once an import failed
+
+
+def ops_for(t: torch.Tensor):
+    """layers.triton_decode when the switch is on and t's device runs Triton (CUDA, or the CPU under the
+    interpreter) and triton imports; else None."""
+    if env_switch(ENV_VAR) is not True:
+        return None
+    if t.device.type != "cuda" and not (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    if "ops" not in _state:
+        with _lock:
+            if "ops" not in _state:
+                _state["ops"] = _import()
+    return _state["ops"]
+
+
+def _import():
+    try:
+        from ascendserve.layers import triton_decode
+    except ImportError as e:
+        logger.warning("%s=1 but triton does not import (%s): the decode step stays on its plain-torch ops", ENV_VAR, e)
+        return None
+    logger.info("Triton decode kernels on: Gated DeltaNet conv + recurrent update and paged decode attention")
+    return triton_decode

@@ -1,0 +1,183 @@
+"""The Triton decode kernels (layers/triton_decode.py) against the plain-torch forms they replace, and a tiny Qwen3.5
+run through the engine on them against transformers.
+
+Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py) on
+CPU tensors: that checks their indexing, masks, roundings and arithmetic, not their compilation for a GPU or their
+speed (tests/cuda runs on a GPU with ASCENDSERVE_TRITON_KERNELS=1 for those).
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ascendserve.layers import cpu_kernels, triton_kernels
+from ascendserve.layers.gated_deltanet import causal_conv1d_decode, recurrent_gated_delta_rule
+from ascendserve.worker.decode_graphs import EAGER_ENV
+from tests.models.qwen3_5_tiny import (TRITON_DECODE_KERNELS, assert_pools_clean, checkpoint_cache, greedy_params,
+                                       record_triton_calls)
+from tests.models.reference import check_outputs, generate_with_arrivals
+
+pytest.importorskip("triton", reason="triton is a test dependency (pyproject's [test] extra)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Where a bf16 rounding happens on the way: the interpreter rounds fp32 -> bf16 toward zero (a GPU to nearest), so a
+# value may sit a bf16 ulp (2^-8 relative) from the torch form's; a wrong index or mask is off by far more.
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """layers.triton_decode; without a GPU under the interpreter, which tests/conftest.py turned on."""
+    assert DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return importlib.import_module("ascendserve.layers.triton_decode")
+
+
+def _randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+SLOTS = [5, 0, 7, 2, 3]  # rows write scattered slots of an 8-slot pool; the others must stay as they were
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_conv1d_decode_matches_torch(kernels, dtype, activation):
+    channels, width = 200, 4  # 200: a partial channel block
+    wide = _randn(len(SLOTS), channels + 24, seed=0, dtype=dtype)
+    x = wide[:, 8:8 + channels]  # strided rows, as the split of in_proj_qkvz gives
+    weight = _randn(channels, width, seed=1, dtype=dtype, scale=0.5)
+    pool = _randn(8, channels, width - 1, seed=2, dtype=dtype)
+    slots = torch.tensor(SLOTS, device=DEVICE)
+    ref_pool = pool.clone()
+    ref = causal_conv1d_decode(x, weight, ref_pool, slots, activation=activation)
+    out = kernels.causal_conv1d_decode(x, weight, pool, slots, activation)
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL))
+    assert torch.equal(pool, ref_pool)  # the shifted window and every untouched slot, bit for bit
+
+
+def test_conv1d_decode_rejects_other_activations(kernels):
+    x = torch.zeros(1, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="unsupported conv activation 'gelu'"):
+        kernels.causal_conv1d_decode(x, torch.zeros(4, 4, device=DEVICE), torch.zeros(1, 4, 3, device=DEVICE),
+                                     torch.zeros(1, dtype=torch.long, device=DEVICE), "gelu")
+
+
+def _gates(ba, a_log, dt_bias, num_v_heads):
+    """Qwen3_5GatedDeltaNet._gates: (g, beta) as the torch path computes them."""
+    b, a = ba.split([num_v_heads, num_v_heads], dim=-1)
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 32, 16), (1, 3, 24, 40), (2, 2, 16, 64)])  # grouped heads, dk != dv,
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32),  # widths off powers of two, several
+                                               (torch.bfloat16, torch.float32),  # value-column blocks
+                                               (torch.bfloat16, torch.bfloat16)])
+def test_gated_delta_rule_decode_matches_torch(kernels, hk, hv, dk, dv, dtype, state_dtype):
+    batch, key_dim = len(SLOTS), hk * dk
+    conv_out = _randn(batch, 2 * key_dim + hv * dv + 8, seed=3, dtype=dtype)[:, :2 * key_dim + hv * dv]  # strided
+    ba = _randn(batch, 2 * hv, seed=4, dtype=dtype)
+    ba[0, hv] = 30.0  # a > 20: softplus's linear branch
+    a_log = _randn(hv, seed=5, dtype=dtype, scale=0.5)
+    dt_bias = _randn(hv, seed=6, dtype=dtype)
+    pool = _randn(8, hv, dk, dv, seed=7, scale=0.5).to(state_dtype)
+    slots = torch.tensor(SLOTS, device=DEVICE)
+    ref_pool = pool.clone()
+    q, k, v = conv_out.split([key_dim, key_dim, hv * dv], dim=-1)
+    ref = recurrent_gated_delta_rule(q.reshape(batch, hk, dk), k.reshape(batch, hk, dk), v.reshape(batch, hv, dv),
+                                     *_gates(ba, a_log, dt_bias, hv), ref_pool, slots, use_qk_l2norm_in_kernel=True)
+    out = kernels.gated_delta_rule_decode(conv_out, ba, a_log, dt_bias, pool, slots, hk, dk, dv)
+    assert out.dtype == dtype and out.shape == (batch, hv, dv)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == state_dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    torch.testing.assert_close(pool.float(), ref_pool.float(), **tol)
+    untouched = [s for s in range(8) if s not in SLOTS]
+    assert torch.equal(pool[untouched], ref_pool[untouched])
+
+
+def _paged_reference(q, kv_cache, tables, context_lens, scale):
+    """Softmax attention of each request's one query over its blocks, in float64."""
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, n in enumerate(context_lens.tolist()):
+        pos = torch.arange(n)
+        slots = tables[i].cpu()[pos // block_size] * block_size + pos % block_size
+        k, v = (kv_cache[j].cpu().flatten(0, 1)[slots].double() for j in (0, 1))  # [n, Hk, D]
+        group = q.shape[1] // num_kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        probs = torch.einsum("hd,nhd->hn", q[i].cpu().double(), k).mul(scale).softmax(-1)
+        out[i] = torch.einsum("hn,nhd->hd", probs, v)
+    return out
+
+
+@pytest.mark.parametrize("hq,hk,head_dim,block_size", [(8, 2, 64, 16), (4, 4, 32, 32), (16, 2, 256, 16)])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
+def test_paged_decode_matches_softmax_attention(kernels, hq, hk, head_dim, block_size, dtype, cache_dtype):
+    context_lens = [1, block_size, block_size + 1, 3 * block_size - 5]  # a lone token, whole and partial blocks
+    num_blocks = 24
+    kv_cache = _randn(2, num_blocks, block_size, hk, head_dim, seed=8, dtype=cache_dtype)
+    gen = torch.Generator().manual_seed(9)
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = torch.zeros(len(context_lens), 4, dtype=torch.long)  # unused entries: block 0, as the runner pads
+    used = 0
+    for i, n in enumerate(context_lens):
+        count = -(-n // block_size)
+        tables[i, :count] = order[used:used + count]
+        used += count
+    q = _randn(len(context_lens), hq, head_dim, seed=10, dtype=dtype)
+    lens = torch.tensor(context_lens, device=DEVICE)
+    scale = head_dim ** -0.5
+    out = kernels.paged_decode(q, kv_cache, tables.to(DEVICE), lens, scale)
+    ref = _paged_reference(q, kv_cache, tables, lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out.cpu().double(), ref, **tol)
+
+
+def test_paged_decode_takes_power_of_two_blocks_of_16_or_more(kernels):
+    assert kernels.supports_paged_decode(16, 64) and kernels.supports_paged_decode(128, 256)
+    assert not kernels.supports_paged_decode(8, 64) and not kernels.supports_paged_decode(24, 64)
+    with pytest.raises(ValueError, match="block_size 8 must be a power of two >= 16"):
+        kernels.paged_decode(torch.zeros(1, 2, 32, device=DEVICE), torch.zeros(2, 4, 8, 2, 32, device=DEVICE),
+                             torch.zeros(1, 1, dtype=torch.long, device=DEVICE),
+                             torch.ones(1, dtype=torch.long, device=DEVICE), 1.0)
+
+
+def test_switch_is_off_by_default_and_needs_a_triton_device(kernels, monkeypatch):
+    t = torch.zeros(1)
+    monkeypatch.delenv(triton_kernels.ENV_VAR, raising=False)
+    assert triton_kernels.ops_for(t) is None
+    monkeypatch.setenv(triton_kernels.ENV_VAR, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert triton_kernels.ops_for(t) is None  # a CPU tensor outside the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_kernels.ops_for(t) is kernels
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return checkpoint_cache(tmp_path_factory)
+
+
+@pytest.mark.parametrize("graphs", [False, True])  # eager steps; decode steps through the graphs' static buffers
+def test_qwen3_5_on_the_triton_kernels_matches_transformers(kernels, checkpoints, monkeypatch, graphs):
+    from ascendserve import LLM
+    calls = record_triton_calls(monkeypatch)
+    monkeypatch.setitem(cpu_kernels._state, "ops", None)  # the plain-torch path a GPU takes, around the kernels
+    extra = {}
+    if graphs:
+        monkeypatch.setenv(EAGER_ENV, "1")
+        extra = dict(compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"}, max_model_len=512)
+    path, prompts, refs = checkpoints("dense")
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", device=DEVICE, num_gpu_blocks_override=256,
+              max_num_batched_tokens=40, max_num_seqs=4, **extra)
+    # requests join while others decode: steps that mix prefill and decode rows, and pure decode steps
+    check_outputs(generate_with_arrivals(llm.llm_engine, prompts, greedy_params()), refs)
+    assert set(TRITON_DECODE_KERNELS) <= set(calls)
+    if graphs:
+        assert llm.llm_engine.runner.decode_graphs.num_replays > 0
+    assert_pools_clean(llm.llm_engine)
