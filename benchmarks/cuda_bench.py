@@ -8,7 +8,7 @@ from --demo-dir) and Qwen3.5-0.8B's shape (benchmarks/qwen3_5_speed.py) with the
 
     python benchmarks/cuda_bench.py --work /tmp/cuda-bench --demo-dir .gpu/demo \
         --qwen-tokenizer .gpu/qwen3_5_tokenizer --out $OUT [--models qwen35,demo] [--concurrency 1,8,16,64,256] \
-        [--stages graphs,served-graphs,compiled,hf,served,eager]
+        [--stages graphs-triton,graphs,served-graphs-triton,served-graphs,compiled,hf,served,eager]
 
 `--device cpu` with `--tiny` runs the same code on small shapes (a check of the script, not a measurement).
 In-process figures: output tok/s = C x 128 / the time of the whole batch; decode tok/s = C x 127 / (that time less
@@ -31,7 +31,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 PROMPT_LEN, OUTPUT_LEN = 256, 128
-STAGES = ("graphs", "served-graphs", "compiled", "hf", "served", "eager")  # in the order they run: the newest first
+# in the order they run, the newest first; "-triton": with ASCENDSERVE_TRITON_KERNELS=1 (layers/triton_decode.py)
+STAGES = ("graphs-triton", "graphs", "served-graphs-triton", "served-graphs", "compiled", "hf", "served", "eager")
+TRITON_ENV = "ASCENDSERVE_TRITON_KERNELS"
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -48,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8,16,64,256")
     p.add_argument("--stages", default=",".join(STAGES),
                    help=f"any of {', '.join(STAGES)} (graphs: compilation_config cudagraph_mode FULL_DECODE_ONLY; "
-                        f"served-graphs: the server with it)")
+                        f"served-graphs: the server with it; -triton: the Triton decode kernels on)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="small shapes: checks the script, measures nothing")
     return p.parse_args(argv)
@@ -138,6 +140,15 @@ def prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 # -- ascendserve in-process ------------------------------------------------------------------------------------------
+def with_triton(run, *args, **kwargs) -> dict:
+    """run(*args, **kwargs) with the Triton decode kernels on (the switch is read as each step runs)."""
+    os.environ[TRITON_ENV] = "1"
+    try:
+        return run(*args, **kwargs)
+    finally:
+        os.environ.pop(TRITON_ENV, None)
+
+
 def inprocess(path: Path, levels: list[int], device: str, eager: bool, vocab: int, graphs: bool = False) -> dict:
     from ascendserve import LLM, SamplingParams
     start = time.perf_counter()
@@ -166,7 +177,9 @@ def inprocess(path: Path, levels: list[int], device: str, eager: bool, vocab: in
         result["levels"][c] = {"output_tok_s": c * OUTPUT_LEN / whole,
                                "decode_tok_s": c * (OUTPUT_LEN - 1) / (whole - first), "prefill_s": first,
                                "total_s": whole}
-        print(f"  ascendserve {'graphs' if graphs else 'eager' if eager else 'compiled'} C={c}: "
+        mode = ("graphs" if graphs else "eager" if eager else "compiled") + ("-triton" if os.environ.get(TRITON_ENV)
+                                                                            else "")
+        print(f"  ascendserve {mode} C={c}: "
               f"{result['levels'][c]}", flush=True)
     del llm
     _free(device)
@@ -209,7 +222,7 @@ def served(path: Path, name: str, levels: list[int], device: str, work: Path, gr
     Result files and the server's log go under `work` (what comes back from the GPU machine is a few files); the
     log's last lines are printed when the stage ends."""
     from tests.server.utils import free_port
-    port, tag = free_port(), f"{name}-graphs" if graphs else name
+    port, tag = free_port(), (f"{name}-graphs" if graphs else name) + ("-triton" if os.environ.get(TRITON_ENV) else "")
     files = work / f"served-{tag}"
     files.mkdir(parents=True, exist_ok=True)
     log = open(files / "server.log", "w")
@@ -233,7 +246,7 @@ def served(path: Path, name: str, levels: list[int], device: str, work: Path, gr
                          files / f"c{c}.json")
             result["levels"][c] = {k: res[k] for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms",
                                                        "completed", "failed", "num_prompts")}
-            print(f"  served{' graphs' if graphs else ''} C={c}: {result['levels'][c]}", flush=True)
+            print(f"  served {tag} C={c}: {result['levels'][c]}", flush=True)
     finally:
         proc.terminate()
         try:
@@ -291,7 +304,8 @@ def report(results: dict) -> str:
         lines.append(f"{dev['gpu']}, {dev['sms']} SMs, {dev['memory_gib']:.0f} GiB; torch {dev['torch']} (CUDA "
                      f"{dev['cuda']}); copy {dev['copy_gb_s']:.0f} GB/s, bf16 matmul {dev['bf16_tflop_s']:.0f} "
                      f"TFLOP/s")
-    inprocess_keys, served_keys = ("graphs", "compiled", "eager", "hf"), ("served-graphs", "served")
+    inprocess_keys = ("graphs-triton", "graphs", "compiled", "eager", "hf")
+    served_keys = ("served-graphs-triton", "served-graphs", "served")
     for name, r in results["models"].items():
         bw = dev.get("copy_gb_s")
         roof = bw * 1e9 / r["decode_weight_bytes"] if bw else None
@@ -305,14 +319,14 @@ def report(results: dict) -> str:
                     if isinstance(r.get(k), dict) and "error" not in r[k]}
             cells = [f"{x['output_tok_s']:.1f} / {x['decode_tok_s']:.1f}" if (x := runs.get(k)) else "-"
                      for k in inprocess_keys]
-            ours = max((runs[k]["output_tok_s"] for k in inprocess_keys[:3] if runs.get(k)), default=None)
+            ours = max((runs[k]["output_tok_s"] for k in inprocess_keys[:-1] if runs.get(k)), default=None)
             cells.append(f"{ours / runs['hf']['output_tok_s']:.2f}x" if ours and runs.get("hf") else "-")
             for k in served_keys:
                 x = r.get(k, {}).get("levels", {}).get(c)
                 cells.append(f"{x['output_throughput']:.1f} / {x['median_ttft_ms']:.0f} / {x['median_tpot_ms']:.1f}"
                              if x else "-")
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
-        for k in inprocess_keys[:3]:
+        for k in inprocess_keys[:-1]:
             one = r.get(k, {}).get("levels", {}).get(1) if isinstance(r.get(k), dict) else None
             if one and roof:
                 lines.append(f"{k}: single-stream decode {one['decode_tok_s']:.1f} tok/s = "
@@ -339,7 +353,9 @@ def main(argv=None) -> int:
         r = results["models"][name] = {"decode_weight_bytes": decode_weight_bytes(path)}
         low = [c for c in levels if c <= 64]
         stage_runs = {
+            "graphs-triton": lambda: with_triton(inprocess, path, levels, ns.device, False, vocab, graphs=True),
             "graphs": lambda: inprocess(path, levels, ns.device, False, vocab, graphs=True),
+            "served-graphs-triton": lambda: with_triton(served, path, name, low, ns.device, Path(ns.work), graphs=True),
             "served-graphs": lambda: served(path, name, low, ns.device, Path(ns.work), graphs=True),
             "compiled": lambda: inprocess(path, levels, ns.device, False, vocab),
             "hf": lambda: hf_generate(path, low, ns.device, vocab),

@@ -20,11 +20,12 @@ from transformers import AutoModelForCausalLM
 from ascendserve import LLM, SamplingParams
 from ascendserve.config import EngineArgs
 from ascendserve.engine.llm_engine import LLMEngine
+from ascendserve.layers import cpu_kernels
 from ascendserve.platforms import get_platform
 from ascendserve.worker.decode_graphs import EAGER_ENV
 from tests.models.llama_tiny import LLAMA_NEW, build_llama
-from tests.models.qwen3_5_tiny import (LENGTHS, MAX_NEW, TEXT, assert_near_reference, assert_pools_clean,
-                                       checkpoint_cache, greedy_params)
+from tests.models.qwen3_5_tiny import (LENGTHS, MAX_NEW, TEXT, TRITON_DECODE_KERNELS, assert_near_reference,
+                                       assert_pools_clean, checkpoint_cache, greedy_params, record_triton_calls)
 from tests.models.reference import check_outputs, generate_with_arrivals
 
 DEVICE = os.environ.get("ASCENDSERVE_TEST_DEVICE", "cuda")
@@ -180,6 +181,29 @@ def test_decode_graphs(checkpoints, llama, kind, monkeypatch):
     graphs = engine.runner.decode_graphs
     assert graphs.num_replays > 0 and graphs.graphs and (graphs.capture or DEVICE == "cpu")  # cpu: the eager stand-in
     assert all((graph is not None) == graphs.capture for graph, _ in graphs.graphs.values())
+
+
+@pytest.mark.parametrize("dtype,graphs", [("float32", False), ("float32", True), ("bfloat16", True)])
+def test_qwen3_5_triton_decode_kernels(checkpoints, monkeypatch, dtype, graphs):
+    # ASCENDSERVE_TRITON_KERNELS=1: decode rows run Gated DeltaNet's conv and recurrent update and paged attention as
+    # Triton kernels (compiled for this GPU; tests/layers checks them under the interpreter), eagerly and captured.
+    calls = record_triton_calls(monkeypatch)
+    if DEVICE == "cpu":  # the interpreter (tests/conftest.py) around the torch path, the graphs' eager stand-in
+        monkeypatch.setitem(cpu_kernels._state, "ops", None)
+        monkeypatch.setenv(EAGER_ENV, "1")
+    path, prompts, refs = checkpoints("dense" if dtype == "float32" else "dense-bf16")
+    engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(
+        path, skip_tokenizer_init=True, dtype=dtype, device=DEVICE, num_gpu_blocks_override=256,
+        max_num_batched_tokens=40, max_num_seqs=6, enforce_eager=not graphs,
+        compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"} if graphs else None))
+    outputs = generate_with_arrivals(engine, prompts, greedy_params())
+    if dtype == "float32":
+        check_outputs(outputs, refs)
+    else:  # as test_qwen3_5_bf16; the interpreter rounds fp32 -> bf16 toward zero (0.153 seen), a GPU to nearest
+        assert_near_reference(outputs, refs, max_drift=0.15 if DEVICE != "cpu" else 0.25, min_gap=0.5)
+    assert set(TRITON_DECODE_KERNELS) <= set(calls)
+    assert (engine.runner.decode_graphs is not None and engine.runner.decode_graphs.num_replays > 0) == graphs
+    assert_pools_clean(engine)
 
 
 def _assert_clean_pool(llm):
