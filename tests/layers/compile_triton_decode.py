@@ -1,0 +1,84 @@
+"""Compile the Triton decode kernels for NVIDIA GPUs without one: Triton's own compiler and ptxas, as the first launch
+on a GPU would, for Qwen3.5's real shapes. Prints one JSON line per kernel variant with its registers, spill bytes and
+shared memory (from cuobjdump), or the compile error. Run in a process where TRITON_INTERPRET is unset (the
+interpreter replaces the kernels' compiled form): tests/layers/test_triton_decode.py does.
+
+    python tests/layers/compile_triton_decode.py [--archs 80,90]
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ascendserve.layers import triton_decode as td
+
+# The launches' argument types (torch strides and sizes are ints: i32 is their general specialization).
+CONV = dict(x_ptr="*{x}", x_row="i32", w_ptr="*{x}", w_row="i32", state_ptr="*{s}", s_slot="i32", s_chan="i32",
+            s_col="i32", slot_ptr="*i64", y_ptr="*{x}", channels="i32")
+GDN = dict(x_ptr="*{x}", x_row="i32", ba_ptr="*{x}", ba_row="i32", a_log_ptr="*{x}", dt_bias_ptr="*{x}",
+           state_ptr="*{s}", s_slot="i32", slot_ptr="*i64", out_ptr="*{x}", scale="fp32", key_dim="i32")
+PAGED = dict(q_ptr="*{x}", q_row="i32", k_ptr="*{s}", v_ptr="*{s}", c_block="i32", c_token="i32", table_ptr="*i64",
+             table_row="i32", ctx_ptr="*i64", out_ptr="*{x}", o_row="i32", scale="fp32")
+# Qwen3.5-0.8B and -27B (shared/reference): Gated DeltaNet heads (key, value) x 128, attention heads (q, kv) x 256.
+# Each in the dtypes it meets: (activations, state or cache) of a bf16 model, an fp32 one, and the mixed one (a bf16
+# model's fp32 recurrent state; an fp32 model's --kv-cache-dtype bfloat16).
+SAME = [("bf16", "bf16"), ("fp32", "fp32")]
+VARIANTS = [
+    ("conv", td._conv1d_decode_kernel, CONV, dict(WIDTH=3, SILU=True, BLOCK_C=td.CONV_BLOCK), SAME),
+    ("gdn-0.8b", td._gated_delta_rule_decode_kernel, GDN,
+     dict(HK=16, HV=16, DK=128, DV=128, BK=128, BV=td.STATE_BLOCK_V), SAME + [("bf16", "fp32")]),
+    ("gdn-27b", td._gated_delta_rule_decode_kernel, GDN,
+     dict(HK=16, HV=48, DK=128, DV=128, BK=128, BV=td.STATE_BLOCK_V), [("bf16", "fp32")]),
+    ("paged-0.8b", td._paged_decode_kernel, PAGED, dict(GROUP=4, BG=16, D=256, BD=256, BLOCK=16),
+     SAME + [("fp32", "bf16")]),
+    ("paged-27b", td._paged_decode_kernel, PAGED, dict(GROUP=6, BG=16, D=256, BD=256, BLOCK=16), [("bf16", "bf16")]),
+]
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers, spill stores / loads (bytes) and static shared memory of a cubin, from cuobjdump's resource usage."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = {key: int(m.group(1)) for key, pattern in (("regs", r"REG:(\d+)"), ("stack", r"STACK:(\d+)"),
+                                                       ("shared", r"SHARED:(\d+)")) if (m := re.search(pattern, text))}
+    return found
+
+
+def compile_one(kernel, types: dict, constexprs: dict, x: str, s: str, arch: int) -> dict:
+    signature = {name: t.format(x=x, s=s) for name, t in types.items()} | {name: "constexpr" for name in constexprs}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32))
+    return resources(compiled.asm["cubin"]) | {"num_warps": compiled.metadata.num_warps}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--archs", default="80,90", help="compute capabilities (80: A100, 90: H100 / H200)")
+    ns = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("TRITON_INTERPRET=1: the kernels are interpreted here; run without it")
+    for arch in (int(a) for a in ns.archs.split(",")):
+        for name, kernel, types, constexprs, dtypes in VARIANTS:
+            for x, s in dtypes:
+                row = {"kernel": name, "arch": arch, "dtypes": f"{x}/{s}"}
+                try:
+                    row |= compile_one(kernel, types, constexprs, x, s, arch)
+                except Exception as e:  # reported per variant; the caller decides
+                    row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
