@@ -6,7 +6,7 @@
 #   OUT=/tmp/out bash benchmarks/cuda_run.sh [tests] [bench]      (default: both)
 # Sizes (H200, 2026-12-04): tests/cuda ~40 s; the benchmark's stages for Qwen3.5's shape took 15-75 s each
 # (compiled 74 s with its compile, transformers 47 s, a served mode ~60 s), the demo's less. A session's device time
-# is short: give BENCH_TIMEOUT and BENCH_ARGS (e.g. --stages graphs,served-graphs,compiled --models qwen35) so that
+# is short: give BENCH_TIMEOUT and BENCH_ARGS (e.g. --stages graphs-triton,graphs,served-graphs-triton --models qwen35) so that
 # one call ends well inside it; results.json is written after every stage, so a cut run still returns what it did.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
