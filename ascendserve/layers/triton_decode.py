@@ -132,13 +132,16 @@ def gated_delta_rule_decode(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tens
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, q_row, k_ptr, v_ptr, c_block, c_token, table_ptr, table_row, ctx_ptr, out_ptr, o_row,
-                         scale, GROUP: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """KV head `kvh` of one request: its GROUP query heads (padded to BG rows for tl.dot) over the request's
-    blocks, one cache block a step with an online softmax. All in fp32 (K / V widened as read; the products exact,
-    `ieee`): decode attention is bound by reading the cache, and the interpreter's tl.dot does not take bf16."""
+                         part_ptr, split_blocks, scale, GROUP: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
+                         BD: tl.constexpr, BLOCK: tl.constexpr, PARTIAL: tl.constexpr):
+    """KV head `kvh` of one request: its GROUP query heads (padded to BG rows for tl.dot) over the request's blocks
+    split_blocks * split .. of its context, one cache block a step with an online softmax. All in fp32 (K / V widened
+    as read; the products exact, `ieee`): decode attention is bound by reading the cache, and the interpreter's tl.dot
+    does not take bf16. PARTIAL: write the split's unnormalized sums and its (max, denominator) per head to part_ptr
+    ([rows, Hq, splits, D + 2] fp32) for _paged_decode_reduce_kernel; else the output itself (one split)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     g = tl.arange(0, BG)
     d = tl.arange(0, BD)
     t = tl.arange(0, BLOCK)
@@ -149,7 +152,8 @@ def _paged_decode_kernel(q_ptr, q_row, k_ptr, v_ptr, c_block, c_token, table_ptr
     m = tl.full([BG], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([BG], dtype=tl.float32)
     acc = tl.zeros([BG, BD], dtype=tl.float32)
-    for i in range(0, tl.cdiv(context, BLOCK)):
+    first = split * split_blocks
+    for i in range(first, tl.minimum(first + split_blocks, tl.cdiv(context, BLOCK))):
         block = tl.load(table_ptr + row * table_row + i).to(tl.int64)
         seen = i * BLOCK + t < context
         at = block * c_block + t[:, None] * c_token + kvh * D + d[None, :]
@@ -164,9 +168,54 @@ def _paged_decode_kernel(q_ptr, q_row, k_ptr, v_ptr, c_block, c_token, table_ptr
         denom = denom * rescale + tl.sum(p, 1)
         acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
         m = m_new
-    out = acc / denom[:, None]
-    tl.store(out_ptr + row * o_row + (kvh * GROUP + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=g_ok[:, None] & d_ok[None, :])
+    heads = kvh * GROUP + g
+    if PARTIAL:  # a split past the context keeps m = -inf, denominator 0: the reduction gives it no weight
+        at = part_ptr + ((row * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split) * (D + 2)
+        tl.store(at[:, None] + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(at + D, m, mask=g_ok)
+        tl.store(at + D + 1, denom, mask=g_ok)
+    else:
+        tl.store(out_ptr + row * o_row + heads[:, None] * D + d[None, :], (acc / denom[:, None]).to(
+            out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(part_ptr, out_ptr, o_row, splits, D: tl.constexpr, BD: tl.constexpr):
+    """One head of one request: its splits' partial softmax sums into the output, one split at a time (each rescaled
+    to the running max; split 0 holds the first block, so the max is finite from the start)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.arange(0, BD)
+    d_ok = d < D
+    at = part_ptr + (row * tl.num_programs(1) + head) * splits * (D + 2)
+    m = tl.load(at + D)
+    denom = tl.load(at + D + 1)
+    acc = tl.load(at + d, mask=d_ok, other=0.0)
+    for split in range(1, splits):
+        at_split = at + split * (D + 2)
+        m_split = tl.load(at_split + D)  # -inf for a split past the context: no weight
+        m_new = tl.maximum(m, m_split)
+        keep, add = tl.exp(m - m_new), tl.exp(m_split - m_new)
+        denom = denom * keep + tl.load(at_split + D + 1) * add
+        acc = acc * keep + tl.load(at_split + d, mask=d_ok, other=0.0) * add
+        m = m_new
+    tl.store(out_ptr + row * o_row + head * D + d, (acc / denom).to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+MIN_SPLIT_BLOCKS = 8  # cache blocks a split reads at least: fewer and the partial sums' traffic outweighs the reads
+
+
+def num_splits(batch: int, num_kv_heads: int, max_blocks: int, device: torch.device) -> int:
+    """How many parts paged_decode cuts each context into: one where batch x kv heads programs already fill the GPU
+    twice over (two per SM), else as many as make up the difference, each at least MIN_SPLIT_BLOCKS blocks: without
+    them a long context at few requests reads its whole cache from a handful of SMs. Depends only on shapes (the
+    block table's width, not the contexts), so a captured graph keeps it. Under the interpreter the "GPU" takes 4
+    programs, so that the tests' small batches split."""
+    slots = 2 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2)
+    programs = batch * num_kv_heads
+    if programs >= slots:
+        return 1
+    return max(1, min(triton.cdiv(slots, programs), triton.cdiv(max_blocks, MIN_SPLIT_BLOCKS)))
 
 
 def supports_paged_decode(block_size: int, head_dim: int) -> bool:
@@ -175,10 +224,12 @@ def supports_paged_decode(block_size: int, head_dim: int) -> bool:
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, splits: int | None = None) -> torch.Tensor:
     """layers/attention._decode without the gather: q [Bd, Hq, D] (one token per request) over its cached blocks
     -> [Bd, Hq, D] in q's dtype, computed in fp32 (as the CPU kernel; SDPA's bf16 path rounds its probabilities).
-    kv_cache [2, num_blocks, block_size, Hk, D]; block_tables [Bd, >= ceil(context / block_size)]; context_lens [Bd] (the new token included)."""
+    kv_cache [2, num_blocks, block_size, Hk, D]; block_tables [Bd, >= ceil(context / block_size)]; context_lens [Bd]
+    (the new token included). Each context is read in `splits` parts (default num_splits) whose partial softmax sums a
+    second launch combines."""
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if not supports_paged_decode(block_size, head_dim) or kv_cache.stride(4) != 1 or kv_cache.stride(3) != head_dim:
@@ -186,10 +237,19 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                          "contiguous")
     q = q.contiguous()
     out = torch.empty_like(q)
-    if batch:
-        group = num_heads // num_kv_heads
-        _paged_decode_kernel[(batch, num_kv_heads)](
-            q, q.stride(0), kv_cache[0], kv_cache[1], kv_cache.stride(1), kv_cache.stride(2), block_tables,
-            block_tables.stride(0), context_lens, out, out.stride(0), scale, GROUP=group, BG=_pow2(group), D=head_dim,
-            BD=_pow2(head_dim), BLOCK=block_size)
+    if not batch:
+        return out
+    max_blocks = block_tables.shape[1]
+    splits = splits or num_splits(batch, num_kv_heads, max_blocks, q.device)
+    split_blocks = triton.cdiv(max_blocks, splits)
+    part = torch.empty(batch, num_heads, splits, head_dim + 2, dtype=torch.float32, device=q.device) if splits > 1 \
+        else out
+    group = num_heads // num_kv_heads
+    _paged_decode_kernel[(batch, num_kv_heads, splits)](
+        q, q.stride(0), kv_cache[0], kv_cache[1], kv_cache.stride(1), kv_cache.stride(2), block_tables,
+        block_tables.stride(0), context_lens, out, out.stride(0), part, split_blocks, scale, GROUP=group,
+        BG=_pow2(group), D=head_dim, BD=_pow2(head_dim), BLOCK=block_size, PARTIAL=splits > 1)
+    if splits > 1:
+        _paged_decode_reduce_kernel[(batch, num_heads)](part, out, out.stride(0), splits, D=head_dim,
+                                                        BD=_pow2(head_dim))
     return out

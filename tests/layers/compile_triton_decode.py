@@ -26,7 +26,9 @@ CONV = dict(x_ptr="*{x}", x_row="i32", w_ptr="*{x}", w_row="i32", state_ptr="*{s
 GDN = dict(x_ptr="*{x}", x_row="i32", ba_ptr="*{x}", ba_row="i32", a_log_ptr="*{x}", dt_bias_ptr="*{x}",
            state_ptr="*{s}", s_slot="i32", slot_ptr="*i64", out_ptr="*{x}", scale="fp32", key_dim="i32")
 PAGED = dict(q_ptr="*{x}", q_row="i32", k_ptr="*{s}", v_ptr="*{s}", c_block="i32", c_token="i32", table_ptr="*i64",
-             table_row="i32", ctx_ptr="*i64", out_ptr="*{x}", o_row="i32", scale="fp32")
+             table_row="i32", ctx_ptr="*i64", out_ptr="*{x}", o_row="i32", part_ptr="*fp32", split_blocks="i32",
+             scale="fp32")
+REDUCE = dict(part_ptr="*fp32", out_ptr="*{x}", o_row="i32", splits="i32")
 # Qwen3.5-0.8B and -27B (shared/reference): Gated DeltaNet heads (key, value) x 128, attention heads (q, kv) x 256.
 # Each in the dtypes it meets: (activations, state or cache) of a bf16 model, an fp32 one, and the mixed one (a bf16
 # model's fp32 recurrent state; an fp32 model's --kv-cache-dtype bfloat16).
@@ -37,9 +39,13 @@ VARIANTS = [
      dict(HK=16, HV=16, DK=128, DV=128, BK=128, BV=td.STATE_BLOCK_V), SAME + [("bf16", "fp32")]),
     ("gdn-27b", td._gated_delta_rule_decode_kernel, GDN,
      dict(HK=16, HV=48, DK=128, DV=128, BK=128, BV=td.STATE_BLOCK_V), [("bf16", "fp32")]),
-    ("paged-0.8b", td._paged_decode_kernel, PAGED, dict(GROUP=4, BG=16, D=256, BD=256, BLOCK=16),
+    ("paged-0.8b", td._paged_decode_kernel, PAGED, dict(GROUP=4, BG=16, D=256, BD=256, BLOCK=16, PARTIAL=False),
      SAME + [("fp32", "bf16")]),
-    ("paged-27b", td._paged_decode_kernel, PAGED, dict(GROUP=6, BG=16, D=256, BD=256, BLOCK=16), [("bf16", "bf16")]),
+    ("paged-27b", td._paged_decode_kernel, PAGED, dict(GROUP=6, BG=16, D=256, BD=256, BLOCK=16, PARTIAL=False),
+     [("bf16", "bf16")]),
+    ("paged-split", td._paged_decode_kernel, PAGED, dict(GROUP=4, BG=16, D=256, BD=256, BLOCK=16, PARTIAL=True),
+     [("bf16", "bf16")]),
+    ("paged-reduce", td._paged_decode_reduce_kernel, REDUCE, dict(D=256, BD=256), [("bf16", "bf16")]),
 ]
 
 
