@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 PROMPT_LEN, OUTPUT_LEN = 256, 128
-# in the order they run, the newest first; "-triton": with ASCENDSERVE_TRITON_KERNELS=1 (layers/triton_decode.py)
+# in the order they run, the newest first; "-triton": with ASCENDSERVE_TRITON_KERNELS=1 (layers/triton_ops.py)
 STAGES = ("graphs-triton", "graphs", "served-graphs-triton", "served-graphs", "compiled", "hf", "served", "eager")
 TRITON_ENV = "ASCENDSERVE_TRITON_KERNELS"
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}

@@ -59,14 +59,14 @@ class CountOps(TorchDispatchMode):
 def count_step(path: str, batch: int, triton: bool) -> CountOps:
     """The counts of the first pure decode step of `batch` requests."""
     from ascendserve import LLM, SamplingParams
-    from ascendserve.layers import triton_decode
+    from ascendserve.layers import triton_ops
     os.environ["ASCENDSERVE_TRITON_KERNELS"] = "1" if triton else "0"
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", device="cpu", enforce_eager=True,
               num_gpu_blocks_override=64, max_model_len=256)
     runner, mode, originals = llm.llm_engine.runner, CountOps(), {}
     for name in ("causal_conv1d_decode", "gated_delta_rule_decode", "paged_decode"):
-        originals[name] = fn = getattr(triton_decode, name)
-        setattr(triton_decode, name, lambda *a, _fn=fn, _n=name, **k: mode.kernel(_n, _fn, *a, **k))
+        originals[name] = fn = getattr(triton_ops, name)
+        setattr(triton_ops, name, lambda *a, _fn=fn, _n=name, **k: mode.kernel(_n, _fn, *a, **k))
     execute, counted = runner.execute_model, []
 
     def execute_counted(sched):
@@ -86,7 +86,7 @@ def count_step(path: str, batch: int, triton: bool) -> CountOps:
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     finally:
         for name, fn in originals.items():
-            setattr(triton_decode, name, fn)
+            setattr(triton_ops, name, fn)
     return mode
 
 

@@ -14,7 +14,7 @@ pytest.register_assert_rewrite("tests.models.reference", "tests.models.qwen3_5_t
 
 _OWN_CACHE: list[str] = []
 
-# Without a GPU the Triton kernels' tests (tests/layers/test_triton_decode.py) run them under Triton's interpreter. It
+# Without a GPU the Triton kernels' tests (tests/layers/test_triton_ops.py) run them under Triton's interpreter. It
 # must be on before triton is first imported, which torch.compile may do in any test: triton's own library functions
 # take their interpreted form as triton loads.
 if not torch.cuda.is_available():

@@ -1,8 +1,9 @@
-"""Whether a decode step's Gated DeltaNet and attention run as the Triton kernels of layers/triton_decode.py.
+"""Whether Gated DeltaNet (decode rows and prefill sequences) and decode attention run as the Triton kernels of
+layers/triton_ops.py.
 
 ASCENDSERVE_TRITON_KERNELS=1 turns them on for tensors on a CUDA device; unset or 0, the plain-torch forms run. They
 are off by default until a GPU run has measured them (checked for correctness against the torch forms under Triton's
-interpreter only: tests/layers/test_triton_decode.py). Under the interpreter (TRITON_INTERPRET=1, set before triton
+interpreter only: tests/layers/test_triton_ops.py). Under the interpreter (TRITON_INTERPRET=1, set before triton
 is first imported) the switch also takes CPU tensors, so the engine's tests can run a whole model through them.
 """
 
@@ -18,11 +19,11 @@ logger = init_logger(__name__)
 
 ENV_VAR = "ASCENDSERVE_TRITON_KERNELS"
 _lock = threading.Lock()
-_state: dict = {}  # "ops": the imported triton_decode module, or None once an import failed
+_state: dict = {}  # "ops": the imported triton_ops module, or None once an import failed
 
 
 def ops_for(t: torch.Tensor):
-    """layers.triton_decode when the switch is on and t's device runs Triton (CUDA, or the CPU under the
+    """layers.triton_ops when the switch is on and t's device runs Triton (CUDA, or the CPU under the
     interpreter) and triton imports; else None."""
     if env_switch(ENV_VAR) is not True:
         return None
@@ -37,9 +38,10 @@ def ops_for(t: torch.Tensor):
 
 def _import():
     try:
-        from ascendserve.layers import triton_decode
+        from ascendserve.layers import triton_ops
     except ImportError as e:
         logger.warning("%s=1 but triton does not import (%s): the decode step stays on its plain-torch ops", ENV_VAR, e)
         return None
-    logger.info("Triton decode kernels on: Gated DeltaNet conv + recurrent update and paged decode attention")
-    return triton_decode
+    logger.info("Triton kernels on: Gated DeltaNet conv + recurrent update (decode and prefill), paged decode "
+                "attention")
+    return triton_ops

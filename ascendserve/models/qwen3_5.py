@@ -217,10 +217,16 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 
     def _prefill(self, mixed_qkv, ba, state, meta) -> torch.Tensor:
         conv_states, ssm_states = state
-        g, beta = self._gates(ba)
         slots, cu_seqlens, has_initial = meta.prefill_slots, meta.prefill_cu_seqlens, meta.prefill_has_initial_state
-        x = causal_conv1d_prefill(mixed_qkv, self.conv1d.weight.squeeze(1), conv_states, cu_seqlens, slots,
-                                  has_initial, activation=self.activation)
+        weight = self.conv1d.weight.squeeze(1)
+        if (kernels := triton_kernels.ops_for(mixed_qkv)) is not None and weight.shape[1] == 4:
+            x = kernels.causal_conv1d_prefill(mixed_qkv, weight, conv_states, cu_seqlens, slots, has_initial,
+                                              self.activation)
+            return kernels.gated_delta_rule_prefill(x, ba, self.A_log, self.dt_bias, ssm_states, cu_seqlens, slots,
+                                                    has_initial, self.num_k_heads, self.head_k_dim, self.head_v_dim)
+        g, beta = self._gates(ba)
+        x = causal_conv1d_prefill(mixed_qkv, weight, conv_states, cu_seqlens, slots, has_initial,
+                                  activation=self.activation)
         q, k, v = self._split_heads(x)
         # A fresh sequence starts from zeros whatever its slot held before.
         initial = torch.where(has_initial[:, None, None, None], ssm_states[slots], 0.0)

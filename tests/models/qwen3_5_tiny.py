@@ -115,16 +115,17 @@ def assert_near_reference(outputs, refs, max_drift: float, min_gap: float) -> No
     assert whole >= len(outputs) // 2
 
 
-TRITON_DECODE_KERNELS = ("causal_conv1d_decode", "gated_delta_rule_decode", "paged_decode")
+TRITON_KERNELS = ("causal_conv1d_decode", "gated_delta_rule_decode", "paged_decode", "causal_conv1d_prefill",
+                         "gated_delta_rule_prefill")
 
 
 def record_triton_calls(monkeypatch) -> list[str]:
-    """Turn on the Triton decode kernels (ASCENDSERVE_TRITON_KERNELS=1) and return the list their calls are recorded
+    """Turn on the Triton kernels (ASCENDSERVE_TRITON_KERNELS=1) and return the list their calls are recorded
     in, by name: a test then shows the engine took them rather than the torch forms."""
-    from ascendserve.layers import triton_decode, triton_kernels
+    from ascendserve.layers import triton_kernels, triton_ops
     monkeypatch.setenv(triton_kernels.ENV_VAR, "1")
     calls: list[str] = []
-    for name in TRITON_DECODE_KERNELS:
-        fn = getattr(triton_decode, name)
-        monkeypatch.setattr(triton_decode, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    for name in TRITON_KERNELS:
+        fn = getattr(triton_ops, name)
+        monkeypatch.setattr(triton_ops, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
     return calls

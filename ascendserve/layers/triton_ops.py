@@ -1,11 +1,14 @@
-"""Triton kernels for a decode step on GPUs: the Gated DeltaNet conv and recurrent update, paged decode attention.
+"""Triton kernels for GPUs: Gated DeltaNet's conv and recurrent update (decode rows and prefill sequences) and paged
+decode attention.
 
 Each replaces a chain of small torch ops with one launch that reads its state slot or cache blocks in place. On an
 H200 a Qwen3.5-0.8B decode step was ~2170 kernel-launching ops, the 18 Gated DeltaNet layers 954 of them (casts,
 l2norm, bmm, baddbmm, index_copy), and decode attention gathered every block of every request into a workspace to
-mask it for SDPA (BENCHMARKS.md, run 99). The same math as the plain-torch forms (layers/gated_deltanet.py and
-layers/attention.py), sums in another order; the conv and the delta rule round where those do, attention stays fp32
-throughout (as the CPU kernel). Imported only through layers/triton_kernels.py; under Triton's interpreter
+mask it for SDPA (BENCHMARKS.md, run 99); its prefill ran the chunked form's ~80 ops a layer. The same math as the
+plain-torch forms (layers/gated_deltanet.py and
+layers/attention.py), sums in another order (the prefill's recurrence token by token, as the CPU's C++ op; the
+torch form chunks it); the conv and the delta rule round where those do, attention stays fp32 throughout (as the CPU
+kernel). Imported only through layers/triton_kernels.py; under Triton's interpreter
 (TRITON_INTERPRET=1) the kernels run on CPU tensors, which is how the tests check them.
 """
 
@@ -126,6 +129,125 @@ def gated_delta_rule_decode(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tens
         _gated_delta_rule_decode_kernel[grid](
             x, x.stride(0), ba, ba.stride(0), a_log, dt_bias, states, states.stride(0), state_indices, out,
             head_k_dim ** -0.5 if scale is None else scale, num_k_heads * head_k_dim,
+            HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=_pow2(head_k_dim), BV=block_v)
+    return out
+
+
+@triton.jit
+def _conv1d_prefill_kernel(x_ptr, x_row, w_ptr, w_row, state_ptr, s_slot, s_chan, s_col, slot_ptr, cu_ptr, init_ptr,
+                           y_ptr, channels, SILU: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One sequence's conv over BLOCK_C channels, token by token, for a width-4 conv (Qwen3.5's): the window's three
+    older inputs stay in registers (its slot's state where the sequence continues one, else zeros) and go back to the
+    slot at the end. The torch form's roundings: inputs in the weight's dtype, sums in fp32 in tap order."""
+    seq = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < channels
+    wdt = w_ptr.dtype.element_ty
+    start = tl.load(cu_ptr + seq)
+    end = tl.load(cu_ptr + seq + 1)
+    state_at = state_ptr + tl.load(slot_ptr + seq).to(tl.int64) * s_slot + c * s_chan
+    fresh = tl.load(init_ptr + seq).to(tl.int32) == 0  # a fresh sequence reads zeros, whatever its slot holds
+    c0 = tl.where(fresh, 0.0, tl.load(state_at, mask=ok, other=0.0)).to(wdt)
+    c1 = tl.where(fresh, 0.0, tl.load(state_at + s_col, mask=ok, other=0.0)).to(wdt)
+    c2 = tl.where(fresh, 0.0, tl.load(state_at + 2 * s_col, mask=ok, other=0.0)).to(wdt)
+    w0 = tl.load(w_ptr + c * w_row, mask=ok, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + c * w_row + 1, mask=ok, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + c * w_row + 2, mask=ok, other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + c * w_row + 3, mask=ok, other=0.0).to(tl.float32)
+    for t in range(start, end):
+        x = tl.load(x_ptr + t * x_row + c, mask=ok, other=0.0).to(wdt)
+        acc = c0.to(tl.float32) * w0
+        acc += c1.to(tl.float32) * w1
+        acc += c2.to(tl.float32) * w2
+        acc += x.to(tl.float32) * w3
+        y = acc.to(wdt).to(tl.float32)
+        if SILU:
+            y = y * tl.sigmoid(y)
+        tl.store(y_ptr + t * channels + c, y.to(y_ptr.dtype.element_ty), mask=ok)
+        c0, c1, c2 = c1, c2, x
+    sdt = state_ptr.dtype.element_ty
+    tl.store(state_at, c0.to(sdt), mask=ok)
+    tl.store(state_at + s_col, c1.to(sdt), mask=ok)
+    tl.store(state_at + 2 * s_col, c2.to(sdt), mask=ok)
+
+
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                          state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+                          activation: str | None = "silu") -> torch.Tensor:
+    """layers/gated_deltanet.causal_conv1d_prefill for a width-4 conv in one launch: x [T, C] packed sequences (rows
+    may be strided) -> [T, C] in x's dtype; each sequence continues from and updates its slot of conv_states."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported conv activation {activation!r}; expected 'silu', 'swish' or None")
+    if weight.shape[1] != 4:
+        raise ValueError(f"causal_conv1d_prefill: a width-4 conv only (Qwen3.5's), got width {weight.shape[1]}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("causal_conv1d_prefill: x and weight need contiguous channels rows")
+    tokens, channels = x.shape
+    out = torch.empty(tokens, channels, dtype=x.dtype, device=x.device)
+    batch = cu_seqlens.numel() - 1
+    if tokens and batch:
+        _conv1d_prefill_kernel[(batch, triton.cdiv(channels, CONV_BLOCK))](
+            x, x.stride(0), weight, weight.stride(0), conv_states, conv_states.stride(0), conv_states.stride(1),
+            conv_states.stride(2), state_indices, cu_seqlens, has_initial_state, out, channels,
+            SILU=activation is not None, BLOCK_C=CONV_BLOCK)
+    return out
+
+
+@triton.jit
+def _gated_delta_rule_prefill_kernel(x_ptr, x_row, ba_ptr, ba_row, a_log_ptr, dt_bias_ptr, state_ptr, s_slot, slot_ptr,
+                                     cu_ptr, init_ptr, out_ptr, scale, key_dim, HK: tl.constexpr, HV: tl.constexpr,
+                                     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Value head h of one sequence, BV of its dv columns: the decode step's update token after token, the state tile
+    in registers from the slot (or zeros for a fresh sequence) to the slot."""
+    seq = tl.program_id(0) // HV
+    h = tl.program_id(0) % HV
+    kh = h // (HV // HK)
+    kk = tl.arange(0, BK)
+    vv = tl.program_id(1) * BV + tl.arange(0, BV)
+    k_ok, v_ok = kk < DK, vv < DV
+    start = tl.load(cu_ptr + seq)
+    end = tl.load(cu_ptr + seq + 1)
+    s_at = state_ptr + tl.load(slot_ptr + seq).to(tl.int64) * s_slot + h * DK * DV + kk[:, None] * DV + vv[None, :]
+    s_ok = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(s_at, mask=s_ok, other=0.0).to(tl.float32)
+    s = tl.where(tl.load(init_ptr + seq).to(tl.int32) == 0, 0.0, s)  # a fresh sequence starts from zeros
+    a_decay = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    for t in range(start, end):
+        x_at = x_ptr + t * x_row
+        q = tl.load(x_at + kh * DK + kk, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(x_at + key_dim + kh * DK + kk, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(x_at + 2 * key_dim + h * DV + vv, mask=v_ok, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        beta = tl.sigmoid(tl.load(ba_ptr + t * ba_row + h).to(tl.float32)).to(ba_ptr.dtype.element_ty).to(tl.float32)
+        a = tl.load(ba_ptr + t * ba_row + HV + h).to(tl.float32) + dt_bias
+        s = s * tl.exp(a_decay * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0)))))
+        s += k[:, None] * ((v - tl.sum(s * k[:, None], 0)) * beta)[None, :]
+        tl.store(out_ptr + (t * HV + h) * DV + vv, tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty), mask=v_ok)
+    tl.store(s_at, s.to(state_ptr.dtype.element_ty), mask=s_ok)
+
+
+def gated_delta_rule_prefill(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                             states: torch.Tensor, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
+                             has_initial_state: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+                             scale: float | None = None) -> torch.Tensor:
+    """The gated delta rule over packed sequences, token by token in one launch (the recurrence the chunked form
+    computes another way, to fp32 rounding): x [T, 2 Hk dk + Hv dv] after the conv, ba [T, 2 Hv]; each sequence starts
+    from its slot of states (zeros where has_initial_state is False) and leaves its final state there. Returns
+    o [T, Hv, dv] in x's dtype. A sequence's tokens run one after another in each of its Hv x dv / 32 programs: fine
+    for prompts of hundreds of tokens; thousands want the chunked form's parallelism (not written as a kernel)."""
+    tokens = x.shape[0]
+    num_v_heads = ba.shape[1] // 2
+    if x.stride(1) != 1 or ba.stride(1) != 1 or not states[0].is_contiguous():
+        raise ValueError("gated_delta_rule_prefill: x and ba need contiguous rows, each state slot contiguous")
+    out = torch.empty(tokens, num_v_heads, head_v_dim, dtype=x.dtype, device=x.device)
+    batch = cu_seqlens.numel() - 1
+    if tokens and batch:
+        block_v = min(STATE_BLOCK_V, _pow2(head_v_dim))
+        _gated_delta_rule_prefill_kernel[(batch * num_v_heads, triton.cdiv(head_v_dim, block_v))](
+            x, x.stride(0), ba, ba.stride(0), a_log, dt_bias, states, states.stride(0), state_indices, cu_seqlens,
+            has_initial_state, out, head_k_dim ** -0.5 if scale is None else scale, num_k_heads * head_k_dim,
             HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=_pow2(head_k_dim), BV=block_v)
     return out
 

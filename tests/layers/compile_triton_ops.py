@@ -1,9 +1,9 @@
-"""Compile the Triton decode kernels for NVIDIA GPUs without one: Triton's own compiler and ptxas, as the first launch
+"""Compile the Triton kernels for NVIDIA GPUs without one: Triton's own compiler and ptxas, as the first launch
 on a GPU would, for Qwen3.5's real shapes. Prints one JSON line per kernel variant with its registers, spill bytes and
 shared memory (from cuobjdump), or the compile error. Run in a process where TRITON_INTERPRET is unset (the
-interpreter replaces the kernels' compiled form): tests/layers/test_triton_decode.py does.
+interpreter replaces the kernels' compiled form): tests/layers/test_triton_ops.py does.
 
-    python tests/layers/compile_triton_decode.py [--archs 80,90]
+    python tests/layers/compile_triton_ops.py [--archs 80,90]
 """
 
 import argparse
@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ascendserve.layers import triton_decode as td
+from ascendserve.layers import triton_ops as ops
 
 # The launches' argument types (torch strides and sizes are ints: i32 is their general specialization).
 CONV = dict(x_ptr="*{x}", x_row="i32", w_ptr="*{x}", w_row="i32", state_ptr="*{s}", s_slot="i32", s_chan="i32",
@@ -28,24 +28,29 @@ GDN = dict(x_ptr="*{x}", x_row="i32", ba_ptr="*{x}", ba_row="i32", a_log_ptr="*{
 PAGED = dict(q_ptr="*{x}", q_row="i32", k_ptr="*{s}", v_ptr="*{s}", c_block="i32", c_token="i32", table_ptr="*i64",
              table_row="i32", ctx_ptr="*i64", out_ptr="*{x}", o_row="i32", part_ptr="*fp32", split_blocks="i32",
              scale="fp32")
+CONV_PREFILL = dict(CONV, cu_ptr="*i64", init_ptr="*i1")
+GDN_PREFILL = dict(GDN, cu_ptr="*i64", init_ptr="*i1")
 REDUCE = dict(part_ptr="*fp32", out_ptr="*{x}", o_row="i32", splits="i32")
 # Qwen3.5-0.8B and -27B (shared/reference): Gated DeltaNet heads (key, value) x 128, attention heads (q, kv) x 256.
 # Each in the dtypes it meets: (activations, state or cache) of a bf16 model, an fp32 one, and the mixed one (a bf16
 # model's fp32 recurrent state; an fp32 model's --kv-cache-dtype bfloat16).
 SAME = [("bf16", "bf16"), ("fp32", "fp32")]
 VARIANTS = [
-    ("conv", td._conv1d_decode_kernel, CONV, dict(WIDTH=3, SILU=True, BLOCK_C=td.CONV_BLOCK), SAME),
-    ("gdn-0.8b", td._gated_delta_rule_decode_kernel, GDN,
-     dict(HK=16, HV=16, DK=128, DV=128, BK=128, BV=td.STATE_BLOCK_V), SAME + [("bf16", "fp32")]),
-    ("gdn-27b", td._gated_delta_rule_decode_kernel, GDN,
-     dict(HK=16, HV=48, DK=128, DV=128, BK=128, BV=td.STATE_BLOCK_V), [("bf16", "fp32")]),
-    ("paged-0.8b", td._paged_decode_kernel, PAGED, dict(GROUP=4, BG=16, D=256, BD=256, BLOCK=16, PARTIAL=False),
+    ("conv", ops._conv1d_decode_kernel, CONV, dict(WIDTH=3, SILU=True, BLOCK_C=ops.CONV_BLOCK), SAME),
+    ("gdn-0.8b", ops._gated_delta_rule_decode_kernel, GDN,
+     dict(HK=16, HV=16, DK=128, DV=128, BK=128, BV=ops.STATE_BLOCK_V), SAME + [("bf16", "fp32")]),
+    ("gdn-27b", ops._gated_delta_rule_decode_kernel, GDN,
+     dict(HK=16, HV=48, DK=128, DV=128, BK=128, BV=ops.STATE_BLOCK_V), [("bf16", "fp32")]),
+    ("conv-prefill", ops._conv1d_prefill_kernel, CONV_PREFILL, dict(SILU=True, BLOCK_C=ops.CONV_BLOCK), SAME),
+    ("gdn-prefill", ops._gated_delta_rule_prefill_kernel, GDN_PREFILL,
+     dict(HK=16, HV=16, DK=128, DV=128, BK=128, BV=ops.STATE_BLOCK_V), SAME + [("bf16", "fp32")]),
+    ("paged-0.8b", ops._paged_decode_kernel, PAGED, dict(GROUP=4, BG=16, D=256, BD=256, BLOCK=16, PARTIAL=False),
      SAME + [("fp32", "bf16")]),
-    ("paged-27b", td._paged_decode_kernel, PAGED, dict(GROUP=6, BG=16, D=256, BD=256, BLOCK=16, PARTIAL=False),
+    ("paged-27b", ops._paged_decode_kernel, PAGED, dict(GROUP=6, BG=16, D=256, BD=256, BLOCK=16, PARTIAL=False),
      [("bf16", "bf16")]),
-    ("paged-split", td._paged_decode_kernel, PAGED, dict(GROUP=4, BG=16, D=256, BD=256, BLOCK=16, PARTIAL=True),
+    ("paged-split", ops._paged_decode_kernel, PAGED, dict(GROUP=4, BG=16, D=256, BD=256, BLOCK=16, PARTIAL=True),
      [("bf16", "bf16")]),
-    ("paged-reduce", td._paged_decode_reduce_kernel, REDUCE, dict(D=256, BD=256), [("bf16", "bf16")]),
+    ("paged-reduce", ops._paged_decode_reduce_kernel, REDUCE, dict(D=256, BD=256), [("bf16", "bf16")]),
 ]
 
 

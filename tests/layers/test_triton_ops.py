@@ -1,4 +1,4 @@
-"""The Triton decode kernels (layers/triton_decode.py) against the plain-torch forms they replace, and a tiny Qwen3.5
+"""The Triton kernels (layers/triton_ops.py) against the plain-torch forms they replace, and a tiny Qwen3.5
 run through the engine on them against transformers.
 
 Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py) on
@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from ascendserve.layers import cpu_kernels, triton_kernels
-from ascendserve.layers.gated_deltanet import causal_conv1d_decode, recurrent_gated_delta_rule
+from ascendserve.layers.gated_deltanet import (causal_conv1d_decode, causal_conv1d_prefill, chunk_gated_delta_rule,
+                                               recurrent_gated_delta_rule)
 from ascendserve.worker.decode_graphs import EAGER_ENV
-from tests.models.qwen3_5_tiny import (TRITON_DECODE_KERNELS, assert_pools_clean, checkpoint_cache, greedy_params,
+from tests.models.qwen3_5_tiny import (TRITON_KERNELS, assert_pools_clean, checkpoint_cache, greedy_params,
                                        record_triton_calls)
 from tests.models.reference import check_outputs, generate_with_arrivals
 
@@ -32,9 +33,9 @@ BF16_TOL = dict(atol=2e-2, rtol=2e-2)
 
 @pytest.fixture(scope="module")
 def kernels():
-    """layers.triton_decode; without a GPU under the interpreter, which tests/conftest.py turned on."""
+    """layers.triton_ops; without a GPU under the interpreter, which tests/conftest.py turned on."""
     assert DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    return importlib.import_module("ascendserve.layers.triton_decode")
+    return importlib.import_module("ascendserve.layers.triton_ops")
 
 
 def _randn(*shape, seed, dtype=torch.float32, scale=1.0):
@@ -99,6 +100,55 @@ def test_gated_delta_rule_decode_matches_torch(kernels, hk, hv, dk, dv, dtype, s
     torch.testing.assert_close(pool.float(), ref_pool.float(), **tol)
     untouched = [s for s in range(8) if s not in SLOTS]
     assert torch.equal(pool[untouched], ref_pool[untouched])
+
+
+PREFILL_LENS = [5, 1, 70, 2, 33]  # shorter than the conv's window, longer than a delta-rule chunk (64)
+PREFILL_INITIAL = [True, False, True, True, False]  # fresh sequences read zeros whatever their slot holds
+
+
+def _prefill_meta():
+    cu = torch.tensor([0, *torch.tensor(PREFILL_LENS).cumsum(0).tolist()], device=DEVICE)
+    return (cu, torch.tensor(SLOTS, device=DEVICE), torch.tensor(PREFILL_INITIAL, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv1d_prefill_matches_torch(kernels, dtype):
+    channels, tokens = 200, sum(PREFILL_LENS)
+    x = _randn(tokens, channels + 24, seed=11, dtype=dtype)[:, 8:8 + channels]
+    weight = _randn(channels, 4, seed=12, dtype=dtype, scale=0.5)
+    pool = _randn(8, channels, 3, seed=13, dtype=dtype)
+    cu, slots, initial = _prefill_meta()
+    ref_pool = pool.clone()
+    ref = causal_conv1d_prefill(x, weight, ref_pool, cu, slots, initial)
+    out = kernels.causal_conv1d_prefill(x, weight, pool, cu, slots, initial, "silu")
+    torch.testing.assert_close(out, ref, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL))
+    assert torch.equal(pool, ref_pool)  # the last three inputs (or the old context's tail), every other slot as it was
+    with pytest.raises(ValueError, match="a width-4 conv only"):
+        kernels.causal_conv1d_prefill(x, weight[:, :3], pool, cu, slots, initial, "silu")
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 32, 16), (1, 3, 24, 40)])
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+def test_gated_delta_rule_prefill_matches_the_chunked_form(kernels, hk, hv, dk, dv, dtype, state_dtype):
+    tokens, key_dim = sum(PREFILL_LENS), hk * dk
+    conv_out = _randn(tokens, 2 * key_dim + hv * dv + 8, seed=14, dtype=dtype)[:, :2 * key_dim + hv * dv]
+    ba = _randn(tokens, 2 * hv, seed=15, dtype=dtype)
+    a_log = _randn(hv, seed=16, dtype=dtype, scale=0.5)
+    dt_bias = _randn(hv, seed=17, dtype=dtype)
+    pool = _randn(8, hv, dk, dv, seed=18, scale=0.5).to(state_dtype)
+    cu, slots, initial = _prefill_meta()
+    ref_pool = pool.clone()
+    q, k, v = conv_out.split([key_dim, key_dim, hv * dv], dim=-1)
+    start = torch.where(initial[:, None, None, None], ref_pool[slots], 0.0)  # as Qwen3_5GatedDeltaNet._prefill
+    ref, final = chunk_gated_delta_rule(q.reshape(tokens, hk, dk), k.reshape(tokens, hk, dk),
+                                        v.reshape(tokens, hv, dv), *_gates(ba, a_log, dt_bias, hv), start, cu, 64,
+                                        use_qk_l2norm_in_kernel=True)
+    ref_pool[slots] = final.to(state_dtype)
+    out = kernels.gated_delta_rule_prefill(conv_out, ba, a_log, dt_bias, pool, cu, slots, initial, hk, dk, dv)
+    assert out.dtype == dtype and out.shape == (tokens, hv, dv)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else BF16_TOL  # token by token vs chunked: fp32 order
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    torch.testing.assert_close(pool, ref_pool, **tol)
 
 
 def _paged_reference(q, kv_cache, tables, context_lens, scale):
@@ -192,7 +242,7 @@ def test_qwen3_5_on_the_triton_kernels_matches_transformers(kernels, checkpoints
               max_num_batched_tokens=40, max_num_seqs=4, **extra)
     # requests join while others decode: steps that mix prefill and decode rows, and pure decode steps
     check_outputs(generate_with_arrivals(llm.llm_engine, prompts, greedy_params()), refs)
-    assert set(TRITON_DECODE_KERNELS) <= set(calls)
+    assert set(TRITON_KERNELS) <= set(calls)
     if graphs:
         assert llm.llm_engine.runner.decode_graphs.num_replays > 0
     assert_pools_clean(llm.llm_engine)
@@ -200,14 +250,16 @@ def test_qwen3_5_on_the_triton_kernels_matches_transformers(kernels, checkpoints
 
 def test_kernels_compile_for_ampere_and_hopper(tmp_path):
     # Triton's compiler and ptxas (both in the triton wheel) build each kernel for sm_80 and sm_90 at Qwen3.5-0.8B's
-    # and -27B's shapes, as a GPU's first launch would: what the interpreter cannot show (a construct the GPU
-    # backend rejects, register spills). In a child process: the interpreter is on in this one.
+    # and -27B's shapes in the dtypes it meets, as a GPU's first launch would: what the interpreter cannot show (a
+    # construct the GPU backend rejects, register spills). In a child process: the interpreter is on in this one.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_DEFAULT_FP_FUSION": "1", "TRITON_CACHE_DIR": str(tmp_path)}  # compiled here, not from a cache
-    script = os.path.join(os.path.dirname(__file__), "compile_triton_decode.py")
+    script = os.path.join(os.path.dirname(__file__), "compile_triton_ops.py")
     done = subprocess.run([sys.executable, script, "--archs", "80,90"], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(rows) == 2 * 12 and all("error" not in r for r in rows), [r for r in rows if "error" in r]
+    from tests.layers.compile_triton_ops import VARIANTS
+    assert len(rows) == 2 * sum(len(dtypes) for *_, dtypes in VARIANTS) > 30
+    assert all("error" not in r for r in rows), [r for r in rows if "error" in r]
     assert all(r["stack"] == 0 and 0 < r["regs"] <= 255 for r in rows), rows  # no spills to local memory
