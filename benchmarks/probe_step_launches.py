@@ -1,11 +1,11 @@
-"""Count what one decode step launches on the GPU path, without a GPU: the torch ops it dispatches (views apart) and the
-Triton kernels it calls, with and without ASCENDSERVE_TRITON_KERNELS, on Qwen3.5-0.8B's layer layout (18 Gated DeltaNet
-+ 6 attention layers, its head counts) at narrower widths and a small vocabulary, in fp32 on the CPU with the CPU
-kernels off (the plain-torch forms a GPU runs) and eager (no torch.compile: on a GPU the norms, activation and rotary
-compile into fewer kernels; a count of the compiled forward needs the GPU). The Triton kernels run under the
-interpreter (TRITON_INTERPRET=1, set here before triton loads).
+"""Count what a prefill step and a decode step launch on the GPU path, without a GPU: the torch ops they dispatch
+(views apart) and the Triton kernels they call, with and without ASCENDSERVE_TRITON_KERNELS, on Qwen3.5-0.8B's layer
+layout (18 Gated DeltaNet + 6 attention layers, its head counts) at narrower widths and a small vocabulary, in fp32 on
+the CPU with the CPU kernels off (the plain-torch forms a GPU runs) and eager (no torch.compile: on a GPU the norms,
+activation and rotary compile into fewer kernels; a count of the compiled forward needs the GPU). The Triton kernels
+run under the interpreter (TRITON_INTERPRET=1, set here before triton loads).
 
-    .venv/bin/python benchmarks/probe_decode_launches.py [--batch 4]
+    .venv/bin/python benchmarks/probe_step_launches.py [--batch 4]
 """
 
 import argparse
@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qwen3_5_speed import QWEN3_5_08B  # noqa: E402
 
+KERNELS = ("causal_conv1d_decode", "gated_delta_rule_decode", "paged_decode", "causal_conv1d_prefill",
+           "gated_delta_rule_prefill")
 NARROW = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, linear_key_head_dim=32,
               linear_value_head_dim=32, head_dim=64)
 
@@ -36,7 +38,7 @@ class CountOps(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.ops, self.views, self.kernels, self.in_kernel, self.active = Counter(), 0, Counter(), False, False
+        self.ops, self.views, self.kernels, self.in_kernel = Counter(), 0, Counter(), False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.in_kernel:
@@ -48,7 +50,7 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def kernel(self, name: str, fn, *args, **kwargs):
-        self.kernels[name] += self.active
+        self.kernels[name] += 1
         self.in_kernel = True
         try:
             return fn(*args, **kwargs)
@@ -56,29 +58,31 @@ class CountOps(TorchDispatchMode):
             self.in_kernel = False
 
 
-def count_step(path: str, batch: int, triton: bool) -> CountOps:
-    """The counts of the first pure decode step of `batch` requests."""
+def count_steps(path: str, batch: int, triton: bool) -> dict[str, CountOps]:
+    """The counts of the first step of `batch` requests (their whole 30-token prompts at once) and of their first
+    pure decode step."""
     from ascendserve import LLM, SamplingParams
     from ascendserve.layers import triton_ops
     os.environ["ASCENDSERVE_TRITON_KERNELS"] = "1" if triton else "0"
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", device="cpu", enforce_eager=True,
               num_gpu_blocks_override=64, max_model_len=256)
-    runner, mode, originals = llm.llm_engine.runner, CountOps(), {}
-    for name in ("causal_conv1d_decode", "gated_delta_rule_decode", "paged_decode"):
+    runner, modes, originals, counting = llm.llm_engine.runner, {}, {}, []
+    for name in KERNELS:
         originals[name] = fn = getattr(triton_ops, name)
-        setattr(triton_ops, name, lambda *a, _fn=fn, _n=name, **k: mode.kernel(_n, _fn, *a, **k))
-    execute, counted = runner.execute_model, []
+        setattr(triton_ops, name, lambda *a, _fn=fn, _n=name, **k: counting[0].kernel(_n, _fn, *a, **k) if counting
+                else _fn(*a, **k))
+    execute = runner.execute_model
 
     def execute_counted(sched):
-        if not counted and all(s.num_tokens == 1 and s.start_pos > 0 for s in sched.scheduled):
-            counted.append(True)
-            mode.active = True
-            try:
-                with mode:
-                    return execute(sched)
-            finally:
-                mode.active = False
-        return execute(sched)
+        kind = "decode" if all(s.num_tokens == 1 and s.start_pos > 0 for s in sched.scheduled) else "prefill"
+        if kind in modes:
+            return execute(sched)
+        counting.append(modes.setdefault(kind, CountOps()))
+        try:
+            with counting[0]:
+                return execute(sched)
+        finally:
+            counting.clear()
 
     runner.execute_model = execute_counted
     prompts = [{"prompt_token_ids": list(range(10 + i, 40 + i))} for i in range(batch)]
@@ -87,7 +91,7 @@ def count_step(path: str, batch: int, triton: bool) -> CountOps:
     finally:
         for name, fn in originals.items():
             setattr(triton_ops, name, fn)
-    return mode
+    return modes
 
 
 def main() -> int:
@@ -100,16 +104,16 @@ def main() -> int:
         config = Qwen3_5TextConfig(**{**QWEN3_5_08B, **NARROW}, architectures=["Qwen3_5ForCausalLM"])
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(work)
-        rows = {}
-        for triton in (False, True):
-            rows[triton] = count_step(work, args.batch, triton)
-    print(f"one decode step of {args.batch} rows, Qwen3.5-0.8B's layers (narrowed), eager, plain torch around:")
-    print("| Triton kernels | torch ops (no views) | views | Triton launches | top torch ops |")
-    print("|---|---|---|---|---|")
-    for triton, mode in rows.items():
-        top = ", ".join(f"{n} {c}" for n, c in mode.ops.most_common(8))
-        print(f"| {'on' if triton else 'off'} | {sum(mode.ops.values())} | {mode.views} | "
-              f"{sum(mode.kernels.values())} {dict(mode.kernels) or ''} | {top} |")
+        rows = {triton: count_steps(work, args.batch, triton) for triton in (False, True)}
+    print(f"{args.batch} requests, Qwen3.5-0.8B's layers (narrowed), eager, plain torch around:")
+    print("| step | Triton kernels | torch ops (no views) | views | Triton launches | top torch ops |")
+    print("|---|---|---|---|---|---|")
+    for kind in ("prefill", "decode"):
+        for triton, modes in rows.items():
+            mode = modes[kind]
+            top = ", ".join(f"{n} {c}" for n, c in mode.ops.most_common(6))
+            print(f"| {kind} | {'on' if triton else 'off'} | {sum(mode.ops.values())} | {mode.views} | "
+                  f"{sum(mode.kernels.values())} | {top} |")
     return 0
 
 
