@@ -19,7 +19,7 @@ logger = init_logger(__name__)
 
 ENV_VAR = "ASCENDSERVE_TRITON_KERNELS"
 _lock = threading.Lock()
-_state: dict = {}  # "ops": the imported triton_ops module, or None once an import failed
+_state: dict = {}  # "ops": the imported triton_ops module, or None once an import failed; "ignored": device types
 
 
 def ops_for(t: torch.Tensor):
@@ -28,6 +28,10 @@ def ops_for(t: torch.Tensor):
     if env_switch(ENV_VAR) is not True:
         return None
     if t.device.type != "cuda" and not (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        if t.device.type not in _state.setdefault("ignored", set()):  # said once per device type
+            _state["ignored"].add(t.device.type)
+            logger.info("%s=1 applies to CUDA devices: on %s the layers keep their own kernels", ENV_VAR,
+                        t.device.type)
         return None
     if "ops" not in _state:
         with _lock:
@@ -40,7 +44,8 @@ def _import():
     try:
         from ascendserve.layers import triton_ops
     except ImportError as e:
-        logger.warning("%s=1 but triton does not import (%s): the decode step stays on its plain-torch ops", ENV_VAR, e)
+        logger.warning("%s=1 but triton does not import (%s): Gated DeltaNet and decode attention stay on their "
+                       "plain-torch ops", ENV_VAR, e)
         return None
     logger.info("Triton kernels on: Gated DeltaNet conv + recurrent update (decode and prefill), paged decode "
                 "attention")

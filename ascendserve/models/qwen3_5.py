@@ -104,7 +104,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
     single-token continuations run the recurrent kernel. Both update the slot in place. On CPU with an
     fp32 model, each kind is one C++ op (csrc/gdn_decode_cpu.cpp, csrc/gdn_prefill_cpu.cpp) that also
     does the conv and the gated norm (the prefill op runs the recurrence token by token, which was
-    faster there than the chunked form); the plain-torch path below is the reference and the fallback.
+    faster there than the chunked form); on a GPU with ASCENDSERVE_TRITON_KERNELS=1 the conv and the delta rule are
+    one Triton launch each (layers/triton_ops.py); the plain-torch path below is the reference and the fallback.
     """
 
     # In a bf16 model on CPU the projections the fused fp32 ops read hand them their fp32 sums (prepack.py): no

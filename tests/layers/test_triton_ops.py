@@ -208,13 +208,17 @@ def test_paged_decode_takes_power_of_two_blocks_of_16_or_more(kernels):
                              torch.ones(1, dtype=torch.long, device=DEVICE), 1.0)
 
 
-def test_switch_is_off_by_default_and_needs_a_triton_device(kernels, monkeypatch):
+def test_switch_is_off_by_default_and_needs_a_triton_device(kernels, monkeypatch, caplog):
     t = torch.zeros(1)
+    monkeypatch.setattr(triton_kernels, "_state", {"ops": kernels})  # nothing said yet in this process
     monkeypatch.delenv(triton_kernels.ENV_VAR, raising=False)
     assert triton_kernels.ops_for(t) is None
     monkeypatch.setenv(triton_kernels.ENV_VAR, "1")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert triton_kernels.ops_for(t) is None  # a CPU tensor outside the interpreter
+    with caplog.at_level("INFO", logger="ascendserve.layers.triton_kernels"):
+        assert triton_kernels.ops_for(t) is None and triton_kernels.ops_for(t) is None  # CPU, outside the interpreter
+    said = [r.getMessage() for r in caplog.records if "applies to CUDA devices" in r.getMessage()]
+    assert said == ["ASCENDSERVE_TRITON_KERNELS=1 applies to CUDA devices: on cpu the layers keep their own kernels"]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_kernels.ops_for(t) is kernels
 
