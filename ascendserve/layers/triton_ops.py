@@ -75,36 +75,49 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
 
 
 @triton.jit
-def _gated_delta_rule_decode_kernel(x_ptr, x_row, ba_ptr, ba_row, a_log_ptr, dt_bias_ptr, state_ptr, s_slot, slot_ptr,
-                                    out_ptr, scale, key_dim, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-                                    DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """Value head h of one row, BV of its dv columns: gates from (b, a), l2-normalized q / k, then
-    S = exp(g) S; S += k (x) beta (v - S^T k); o = S^T q, the slot's [dk, BV] tile read and written once."""
-    row = tl.program_id(0) // HV
+def _state_tile(state_ptr, s_slot, slot_ptr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr):
+    """A delta-rule program's place: (its row or sequence i, value head h, the dk and BV column indices and their
+    masks, the pointers of its [dk, BV] tile in slot_ptr[i]'s state and the tile's mask). Grid: (rows x Hv, dv / BV)."""
+    i = tl.program_id(0) // HV
     h = tl.program_id(0) % HV
-    kh = h // (HV // HK)  # value head h reads key head h // (Hv / Hk), as repeat_interleave
     kk = tl.arange(0, BK)
     vv = tl.program_id(1) * BV + tl.arange(0, BV)
     k_ok, v_ok = kk < DK, vv < DV
-    x_at = x_ptr + row * x_row
+    s_at = state_ptr + tl.load(slot_ptr + i).to(tl.int64) * s_slot + h * DK * DV + kk[:, None] * DV + vv[None, :]
+    return i, h, kk, vv, k_ok, v_ok, s_at, k_ok[:, None] & v_ok[None, :]
+
+
+@triton.jit
+def _delta_rule_token(s, x_at, ba_at, kh, h, kk, vv, k_ok, v_ok, a_decay, dt_bias, scale, key_dim, HV: tl.constexpr,
+                      DK: tl.constexpr, DV: tl.constexpr):
+    """One token's update of value head h's [dk, BV] state tile s (fp32) -> (new s, the output's BV columns): gates
+    from (b, a), l2-normalized q / k, then S = exp(g) S; S += k (x) beta (v - S^T k); o = S^T q. x_at / ba_at: the
+    token's conv output and in_proj_ba rows."""
     q = tl.load(x_at + kh * DK + kk, mask=k_ok, other=0.0).to(tl.float32)
     k = tl.load(x_at + key_dim + kh * DK + kk, mask=k_ok, other=0.0).to(tl.float32)
     v = tl.load(x_at + 2 * key_dim + h * DV + vv, mask=v_ok, other=0.0).to(tl.float32)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
     # beta = sigmoid(b) in b's dtype; g = -exp(A_log) softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch)
-    beta = tl.sigmoid(tl.load(ba_ptr + row * ba_row + h).to(tl.float32)).to(ba_ptr.dtype.element_ty).to(tl.float32)
-    a = tl.load(ba_ptr + row * ba_row + HV + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
-    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    s_at = state_ptr + slot * s_slot + h * DK * DV + kk[:, None] * DV + vv[None, :]
-    s_ok = k_ok[:, None] & v_ok[None, :]
-    s = tl.load(s_at, mask=s_ok, other=0.0).to(tl.float32) * decay
-    delta = (v - tl.sum(s * k[:, None], 0)) * beta
-    s += k[:, None] * delta[None, :]
+    beta = tl.sigmoid(tl.load(ba_at + h).to(tl.float32)).to(ba_at.dtype.element_ty).to(tl.float32)
+    a = tl.load(ba_at + HV + h).to(tl.float32) + dt_bias
+    s = s * tl.exp(a_decay * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0)))))
+    s += k[:, None] * ((v - tl.sum(s * k[:, None], 0)) * beta)[None, :]
+    return s, tl.sum(s * q[:, None], 0)
+
+
+@triton.jit
+def _gated_delta_rule_decode_kernel(x_ptr, x_row, ba_ptr, ba_row, a_log_ptr, dt_bias_ptr, state_ptr, s_slot, slot_ptr,
+                                    out_ptr, scale, key_dim, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                                    DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Value head h of one row, BV of its dv columns: the slot's [dk, BV] tile read, updated and written once."""
+    row, h, kk, vv, k_ok, v_ok, s_at, s_ok = _state_tile(state_ptr, s_slot, slot_ptr, HV, DK, DV, BK, BV)
+    s, o = _delta_rule_token(tl.load(s_at, mask=s_ok, other=0.0).to(tl.float32), x_ptr + row * x_row,
+                             ba_ptr + row * ba_row, h // (HV // HK), h, kk, vv, k_ok, v_ok,
+                             -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)), tl.load(dt_bias_ptr + h).to(tl.float32),
+                             scale, key_dim, HV, DK, DV)  # value head h reads key head h // (Hv / Hk)
     tl.store(s_at, s.to(state_ptr.dtype.element_ty), mask=s_ok)
-    o = tl.sum(s * q[:, None], 0)
     tl.store(out_ptr + (row * HV + h) * DV + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
 
 
@@ -199,32 +212,15 @@ def _gated_delta_rule_prefill_kernel(x_ptr, x_row, ba_ptr, ba_row, a_log_ptr, dt
                                      DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """Value head h of one sequence, BV of its dv columns: the decode step's update token after token, the state tile
     in registers from the slot (or zeros for a fresh sequence) to the slot."""
-    seq = tl.program_id(0) // HV
-    h = tl.program_id(0) % HV
-    kh = h // (HV // HK)
-    kk = tl.arange(0, BK)
-    vv = tl.program_id(1) * BV + tl.arange(0, BV)
-    k_ok, v_ok = kk < DK, vv < DV
-    start = tl.load(cu_ptr + seq)
-    end = tl.load(cu_ptr + seq + 1)
-    s_at = state_ptr + tl.load(slot_ptr + seq).to(tl.int64) * s_slot + h * DK * DV + kk[:, None] * DV + vv[None, :]
-    s_ok = k_ok[:, None] & v_ok[None, :]
+    seq, h, kk, vv, k_ok, v_ok, s_at, s_ok = _state_tile(state_ptr, s_slot, slot_ptr, HV, DK, DV, BK, BV)
     s = tl.load(s_at, mask=s_ok, other=0.0).to(tl.float32)
     s = tl.where(tl.load(init_ptr + seq).to(tl.int32) == 0, 0.0, s)  # a fresh sequence starts from zeros
     a_decay = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    for t in range(start, end):
-        x_at = x_ptr + t * x_row
-        q = tl.load(x_at + kh * DK + kk, mask=k_ok, other=0.0).to(tl.float32)
-        k = tl.load(x_at + key_dim + kh * DK + kk, mask=k_ok, other=0.0).to(tl.float32)
-        v = tl.load(x_at + 2 * key_dim + h * DV + vv, mask=v_ok, other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-        beta = tl.sigmoid(tl.load(ba_ptr + t * ba_row + h).to(tl.float32)).to(ba_ptr.dtype.element_ty).to(tl.float32)
-        a = tl.load(ba_ptr + t * ba_row + HV + h).to(tl.float32) + dt_bias
-        s = s * tl.exp(a_decay * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0)))))
-        s += k[:, None] * ((v - tl.sum(s * k[:, None], 0)) * beta)[None, :]
-        tl.store(out_ptr + (t * HV + h) * DV + vv, tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty), mask=v_ok)
+    for t in range(tl.load(cu_ptr + seq), tl.load(cu_ptr + seq + 1)):
+        s, o = _delta_rule_token(s, x_ptr + t * x_row, ba_ptr + t * ba_row, h // (HV // HK), h, kk, vv, k_ok, v_ok,
+                                 a_decay, dt_bias, scale, key_dim, HV, DK, DV)
+        tl.store(out_ptr + (t * HV + h) * DV + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
     tl.store(s_at, s.to(state_ptr.dtype.element_ty), mask=s_ok)
 
 
