@@ -32,7 +32,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 PROMPT_LEN, OUTPUT_LEN = 256, 128
 # in the order they run, the newest first; "-triton": with ASCENDSERVE_TRITON_KERNELS=1 (layers/triton_ops.py)
-STAGES = ("graphs-triton", "graphs", "served-graphs-triton", "served-graphs", "compiled", "hf", "served", "eager")
+STAGES = ("graphs-triton", "graphs", "prefill-lengths", "served-graphs-triton", "served-graphs", "compiled", "hf",
+          "served", "eager")
 TRITON_ENV = "ASCENDSERVE_TRITON_KERNELS"
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -50,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8,16,64,256")
     p.add_argument("--stages", default=",".join(STAGES),
                    help=f"any of {', '.join(STAGES)} (graphs: compilation_config cudagraph_mode FULL_DECODE_ONLY; "
-                        f"served-graphs: the server with it; -triton: the Triton decode kernels on)")
+                        f"served-graphs: the server with it; -triton: the Triton kernels on; prefill-lengths: one "
+                        f"prompt of 256 / 1024 / 4096 tokens, Triton kernels off and on)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="small shapes: checks the script, measures nothing")
     return p.parse_args(argv)
@@ -134,9 +136,9 @@ def decode_weight_bytes(path: Path) -> int:
     return 2 * hf_decode_params(path)
 
 
-def prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
+def prompts(count: int, vocab: int, seed: int, length: int = PROMPT_LEN) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, min(vocab, 200000) - 1, (count, PROMPT_LEN), generator=g).tolist()
+    return torch.randint(100, min(vocab, 200000) - 1, (count, length), generator=g).tolist()
 
 
 # -- ascendserve in-process ------------------------------------------------------------------------------------------
@@ -181,6 +183,35 @@ def inprocess(path: Path, levels: list[int], device: str, eager: bool, vocab: in
                                                                             else "")
         print(f"  ascendserve {mode} C={c}: "
               f"{result['levels'][c]}", flush=True)
+    del llm
+    _free(device)
+    return result
+
+
+def prefill_lengths(path: Path, device: str, vocab: int, lengths=(256, 1024, 4096), reps: int = 3) -> dict:
+    """One prompt's prefill (max_tokens=1, compiled, eager steps) at each length, the Triton kernels off and on in
+    turn on one engine (the switch is read as each step runs): their Gated DeltaNet prefill runs token by token,
+    the torch form chunked, so long prompts are where the two may part. Median ms of `reps` after a warm-up."""
+    from ascendserve import LLM, SamplingParams
+    llm = LLM(str(path), skip_tokenizer_init=True, dtype="bfloat16", device=device, max_model_len=max(lengths) + 16,
+              kv_cache_memory_bytes=8 << 30, max_num_seqs=4, max_num_batched_tokens=max(lengths))
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    result = {}
+    for n in lengths:
+        prompt = [{"prompt_token_ids": prompts(1, vocab, n, n)[0]}]
+        for mode in ("torch", "triton"):
+            os.environ[TRITON_ENV] = "1" if mode == "triton" else "0"
+            times = []
+            for _ in range(reps + 1):
+                _sync(device)
+                t0 = time.perf_counter()
+                llm.generate(prompt, params, use_tqdm=False)
+                _sync(device)
+                times.append(1e3 * (time.perf_counter() - t0))
+            result[f"{mode}-{n}"] = sorted(times[1:])[len(times[1:]) // 2]
+        print(f"  prefill {n} tokens: torch {result[f'torch-{n}']:.1f} ms, triton {result[f'triton-{n}']:.1f} ms",
+              flush=True)
+    os.environ.pop(TRITON_ENV, None)
     del llm
     _free(device)
     return result
@@ -331,6 +362,10 @@ def report(results: dict) -> str:
             if one and roof:
                 lines.append(f"{k}: single-stream decode {one['decode_tok_s']:.1f} tok/s = "
                              f"{one['decode_tok_s'] / roof:.1%} of the roofline")
+        if (lengths := r.get("prefill-lengths")) and "error" not in lengths:
+            lines.append("one prompt's prefill, ms (Triton kernels off / on): " + ", ".join(
+                f"{k.split('-')[1]} tokens {v:.1f} / {lengths['triton-' + k.split('-')[1]]:.1f}"
+                for k, v in lengths.items() if k.startswith("torch-")))
         for k, v in r.items():
             if isinstance(v, dict) and "error" in v:
                 lines.append(f"{k} failed: {v['error']}")
@@ -355,6 +390,8 @@ def main(argv=None) -> int:
         stage_runs = {
             "graphs-triton": lambda: with_triton(inprocess, path, levels, ns.device, False, vocab, graphs=True),
             "graphs": lambda: inprocess(path, levels, ns.device, False, vocab, graphs=True),
+            "prefill-lengths": lambda: prefill_lengths(path, ns.device, vocab, (64, 256) if ns.tiny else
+                                                       (256, 1024, 4096)),
             "served-graphs-triton": lambda: with_triton(served, path, name, low, ns.device, Path(ns.work), graphs=True),
             "served-graphs": lambda: served(path, name, low, ns.device, Path(ns.work), graphs=True),
             "compiled": lambda: inprocess(path, levels, ns.device, False, vocab),
