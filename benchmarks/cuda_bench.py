@@ -143,7 +143,7 @@ def prompts(count: int, vocab: int, seed: int, length: int = PROMPT_LEN) -> list
 
 # -- ascendserve in-process ------------------------------------------------------------------------------------------
 def with_triton(run, *args, **kwargs) -> dict:
-    """run(*args, **kwargs) with the Triton decode kernels on (the switch is read as each step runs)."""
+    """run(*args, **kwargs) with the Triton kernels on (the switch is read as each step runs)."""
     os.environ[TRITON_ENV] = "1"
     try:
         return run(*args, **kwargs)

@@ -116,7 +116,7 @@ def assert_near_reference(outputs, refs, max_drift: float, min_gap: float) -> No
 
 
 TRITON_KERNELS = ("causal_conv1d_decode", "gated_delta_rule_decode", "paged_decode", "causal_conv1d_prefill",
-                         "gated_delta_rule_prefill")
+                  "gated_delta_rule_prefill")
 
 
 def record_triton_calls(monkeypatch) -> list[str]:
