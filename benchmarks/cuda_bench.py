@@ -197,21 +197,23 @@ def prefill_lengths(path: Path, device: str, vocab: int, lengths=(256, 1024, 409
               kv_cache_memory_bytes=8 << 30, max_num_seqs=4, max_num_batched_tokens=max(lengths))
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     result = {}
-    for n in lengths:
-        prompt = [{"prompt_token_ids": prompts(1, vocab, n, n)[0]}]
-        for mode in ("torch", "triton"):
-            os.environ[TRITON_ENV] = "1" if mode == "triton" else "0"
-            times = []
-            for _ in range(reps + 1):
-                _sync(device)
-                t0 = time.perf_counter()
-                llm.generate(prompt, params, use_tqdm=False)
-                _sync(device)
-                times.append(1e3 * (time.perf_counter() - t0))
-            result[f"{mode}-{n}"] = sorted(times[1:])[len(times[1:]) // 2]
-        print(f"  prefill {n} tokens: torch {result[f'torch-{n}']:.1f} ms, triton {result[f'triton-{n}']:.1f} ms",
-              flush=True)
-    os.environ.pop(TRITON_ENV, None)
+    try:
+        for n in lengths:
+            prompt = [{"prompt_token_ids": prompts(1, vocab, n, n)[0]}]
+            for mode in ("torch", "triton"):
+                os.environ[TRITON_ENV] = "1" if mode == "triton" else "0"
+                times = []
+                for _ in range(reps + 1):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    llm.generate(prompt, params, use_tqdm=False)
+                    _sync(device)
+                    times.append(1e3 * (time.perf_counter() - t0))
+                result[f"{mode}-{n}"] = sorted(times[1:])[len(times[1:]) // 2]
+            print(f"  prefill {n} tokens: torch {result[f'torch-{n}']:.1f} ms, triton {result[f'triton-{n}']:.1f} ms",
+                  flush=True)
+    finally:  # the later stages run with the switch as the environment had it
+        os.environ.pop(TRITON_ENV, None)
     del llm
     _free(device)
     return result

@@ -25,9 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qwen3_5_speed import QWEN3_5_08B  # noqa: E402
+from tests.models.qwen3_5_tiny import TRITON_KERNELS  # noqa: E402
 
-KERNELS = ("causal_conv1d_decode", "gated_delta_rule_decode", "paged_decode", "causal_conv1d_prefill",
-           "gated_delta_rule_prefill")
 NARROW = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, linear_key_head_dim=32,
               linear_value_head_dim=32, head_dim=64)
 
@@ -67,7 +66,7 @@ def count_steps(path: str, batch: int, triton: bool) -> dict[str, CountOps]:
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", device="cpu", enforce_eager=True,
               num_gpu_blocks_override=64, max_model_len=256)
     runner, modes, originals, counting = llm.llm_engine.runner, {}, {}, []
-    for name in KERNELS:
+    for name in TRITON_KERNELS:
         originals[name] = fn = getattr(triton_ops, name)
         setattr(triton_ops, name, lambda *a, _fn=fn, _n=name, **k: counting[0].kernel(_n, _fn, *a, **k) if counting
                 else _fn(*a, **k))

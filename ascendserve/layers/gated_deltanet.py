@@ -25,12 +25,15 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
+def conv_uses_silu(activation: str | None) -> bool:
+    """Whether the conv's activation is SiLU ("silu" / "swish") rather than none; any other name is an error."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported conv activation {activation!r}; expected 'silu', 'swish' or None")
+    return activation is not None
+
+
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
-    if activation is None:
-        return y
-    if activation in ("silu", "swish"):
-        return F.silu(y)
-    raise ValueError(f"unsupported conv activation {activation!r}; expected 'silu', 'swish' or None")
+    return F.silu(y) if conv_uses_silu(activation) else y
 
 
 # --------------------------------------------------------------------------------------------------

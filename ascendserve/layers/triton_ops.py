@@ -5,16 +5,19 @@ Each replaces a chain of small torch ops with one launch that reads its state sl
 H200 a Qwen3.5-0.8B decode step was ~2170 kernel-launching ops, the 18 Gated DeltaNet layers 954 of them (casts,
 l2norm, bmm, baddbmm, index_copy), and decode attention gathered every block of every request into a workspace to
 mask it for SDPA (BENCHMARKS.md, run 99); its prefill ran the chunked form's ~80 ops a layer. The same math as the
-plain-torch forms (layers/gated_deltanet.py and
-layers/attention.py), sums in another order (the prefill's recurrence token by token, as the CPU's C++ op; the
-torch form chunks it); the conv and the delta rule round where those do, attention stays fp32 throughout (as the CPU
-kernel). Imported only through layers/triton_kernels.py; under Triton's interpreter
-(TRITON_INTERPRET=1) the kernels run on CPU tensors, which is how the tests check them.
+plain-torch forms (layers/gated_deltanet.py and layers/attention.py), sums in another order (the prefill's recurrence
+token by token, as the CPU's C++ op; the torch form chunks it); the conv and the delta rule round where those do,
+attention stays fp32 throughout (as the CPU kernel). Imported only through layers/triton_kernels.py; under Triton's
+interpreter (TRITON_INTERPRET=1) the kernels run on CPU tensors, which is how the tests check them.
 """
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from ascendserve.layers.gated_deltanet import conv_uses_silu
 
 CONV_BLOCK = 128  # channels per conv program
 STATE_BLOCK_V = 32  # value columns of the recurrent state per program: a [dk, 32] fp32 tile (dk 128: 16 KiB)
@@ -60,8 +63,7 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
                          activation: str | None = "silu") -> torch.Tensor:
     """layers/gated_deltanet.causal_conv1d_decode in one launch: x [B, C] (rows may be strided) -> [B, C] in x's dtype;
     shifts x into conv_states[state_indices] ([num_slots, C, K-1]) in place."""
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"unsupported conv activation {activation!r}; expected 'silu', 'swish' or None")
+    silu = conv_uses_silu(activation)
     batch, channels = x.shape
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("causal_conv1d_decode: x and weight need contiguous channels rows")
@@ -70,7 +72,7 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
         grid = (batch, triton.cdiv(channels, CONV_BLOCK))
         _conv1d_decode_kernel[grid](x, x.stride(0), weight, weight.stride(0), conv_states, conv_states.stride(0),
                                     conv_states.stride(1), conv_states.stride(2), state_indices, out, channels,
-                                    WIDTH=weight.shape[1] - 1, SILU=activation is not None, BLOCK_C=CONV_BLOCK)
+                                    WIDTH=weight.shape[1] - 1, SILU=silu, BLOCK_C=CONV_BLOCK)
     return out
 
 
@@ -131,16 +133,24 @@ def gated_delta_rule_decode(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tens
     state_indices. Returns o [B, Hv, dv] in x's dtype: what Qwen3_5GatedDeltaNet's torch path gets from
     computing g and beta and calling recurrent_gated_delta_rule(..., use_qk_l2norm_in_kernel=True).
     """
-    batch = x.shape[0]
+    return _delta_rule(_gated_delta_rule_decode_kernel, x.shape[0], x, ba, a_log, dt_bias, states, (state_indices,),
+                       num_k_heads, head_k_dim, head_v_dim, scale)
+
+
+def _delta_rule(kernel, rows: int, x, ba, a_log, dt_bias, states, slot_args: tuple, num_k_heads: int, head_k_dim: int,
+                head_v_dim: int, scale: float | None) -> torch.Tensor:
+    """Launch a delta-rule kernel over `rows` rows or sequences (slot_args: the state slots, and for prefill the
+    sequence bounds and has_initial_state) x Hv heads x dv / BV column blocks; its output [T, Hv, dv] in x's dtype."""
     num_v_heads = ba.shape[1] // 2
-    if x.stride(1) != 1 or ba.stride(1) != 1 or not states[0].is_contiguous():
-        raise ValueError("gated_delta_rule_decode: x and ba need contiguous rows, each state slot contiguous")
-    out = torch.empty(batch, num_v_heads, head_v_dim, dtype=x.dtype, device=x.device)
-    if batch:
+    slot_layout = (head_k_dim * head_v_dim, head_v_dim, 1)  # [Hv, dk, dv] contiguous within a slot
+    if x.stride(1) != 1 or ba.stride(1) != 1 or states.stride()[1:] != slot_layout:
+        name = kernel.__name__.strip("_").removesuffix("_kernel")  # the public function's name
+        raise ValueError(f"{name}: x and ba need contiguous rows, each state slot contiguous")
+    out = torch.empty(x.shape[0], num_v_heads, head_v_dim, dtype=x.dtype, device=x.device)
+    if x.shape[0] and rows:
         block_v = min(STATE_BLOCK_V, _pow2(head_v_dim))
-        grid = (batch * num_v_heads, triton.cdiv(head_v_dim, block_v))
-        _gated_delta_rule_decode_kernel[grid](
-            x, x.stride(0), ba, ba.stride(0), a_log, dt_bias, states, states.stride(0), state_indices, out,
+        kernel[(rows * num_v_heads, triton.cdiv(head_v_dim, block_v))](
+            x, x.stride(0), ba, ba.stride(0), a_log, dt_bias, states, states.stride(0), *slot_args, out,
             head_k_dim ** -0.5 if scale is None else scale, num_k_heads * head_k_dim,
             HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=_pow2(head_k_dim), BV=block_v)
     return out
@@ -189,8 +199,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_states: to
                           activation: str | None = "silu") -> torch.Tensor:
     """layers/gated_deltanet.causal_conv1d_prefill for a width-4 conv in one launch: x [T, C] packed sequences (rows
     may be strided) -> [T, C] in x's dtype; each sequence continues from and updates its slot of conv_states."""
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"unsupported conv activation {activation!r}; expected 'silu', 'swish' or None")
+    silu = conv_uses_silu(activation)
     if weight.shape[1] != 4:
         raise ValueError(f"causal_conv1d_prefill: a width-4 conv only (Qwen3.5's), got width {weight.shape[1]}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -202,7 +211,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_states: to
         _conv1d_prefill_kernel[(batch, triton.cdiv(channels, CONV_BLOCK))](
             x, x.stride(0), weight, weight.stride(0), conv_states, conv_states.stride(0), conv_states.stride(1),
             conv_states.stride(2), state_indices, cu_seqlens, has_initial_state, out, channels,
-            SILU=activation is not None, BLOCK_C=CONV_BLOCK)
+            SILU=silu, BLOCK_C=CONV_BLOCK)
     return out
 
 
@@ -233,19 +242,8 @@ def gated_delta_rule_prefill(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Ten
     from its slot of states (zeros where has_initial_state is False) and leaves its final state there. Returns
     o [T, Hv, dv] in x's dtype. A sequence's tokens run one after another in each of its Hv x dv / 32 programs: fine
     for prompts of hundreds of tokens; thousands want the chunked form's parallelism (not written as a kernel)."""
-    tokens = x.shape[0]
-    num_v_heads = ba.shape[1] // 2
-    if x.stride(1) != 1 or ba.stride(1) != 1 or not states[0].is_contiguous():
-        raise ValueError("gated_delta_rule_prefill: x and ba need contiguous rows, each state slot contiguous")
-    out = torch.empty(tokens, num_v_heads, head_v_dim, dtype=x.dtype, device=x.device)
-    batch = cu_seqlens.numel() - 1
-    if tokens and batch:
-        block_v = min(STATE_BLOCK_V, _pow2(head_v_dim))
-        _gated_delta_rule_prefill_kernel[(batch * num_v_heads, triton.cdiv(head_v_dim, block_v))](
-            x, x.stride(0), ba, ba.stride(0), a_log, dt_bias, states, states.stride(0), state_indices, cu_seqlens,
-            has_initial_state, out, head_k_dim ** -0.5 if scale is None else scale, num_k_heads * head_k_dim,
-            HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=_pow2(head_k_dim), BV=block_v)
-    return out
+    return _delta_rule(_gated_delta_rule_prefill_kernel, cu_seqlens.numel() - 1, x, ba, a_log, dt_bias, states,
+                       (state_indices, cu_seqlens, has_initial_state), num_k_heads, head_k_dim, head_v_dim, scale)
 
 
 @triton.jit
@@ -329,11 +327,18 @@ def num_splits(batch: int, num_kv_heads: int, max_blocks: int, device: torch.dev
     them a long context at few requests reads its whole cache from a handful of SMs. Depends only on shapes (the
     block table's width, not the contexts), so a captured graph keeps it. Under the interpreter the "GPU" takes 4
     programs, so that the tests' small batches split."""
-    slots = 2 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2)
+    slots = 2 * (_sm_count(device.index) if device.type == "cuda" else 2)
     programs = batch * num_kv_heads
     if programs >= slots:
         return 1
     return max(1, min(triton.cdiv(slots, programs), triton.cdiv(max_blocks, MIN_SPLIT_BLOCKS)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int | None) -> int:
+    """The SMs of CUDA device `index` (None: the current one), asked once: num_splits runs per layer and step."""
+    device = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def supports_paged_decode(block_size: int, head_dim: int) -> bool:

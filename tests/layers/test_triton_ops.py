@@ -151,6 +151,18 @@ def test_gated_delta_rule_prefill_matches_the_chunked_form(kernels, hk, hv, dk, 
     torch.testing.assert_close(pool, ref_pool, **tol)
 
 
+def test_delta_rule_kernels_reject_a_strided_state_pool(kernels):
+    # the kernels address a slot's [Hv, dk, dv] as contiguous: a pool laid out otherwise is an error, not garbage
+    x, ba = torch.zeros(1, 2 * 32 + 2 * 16, device=DEVICE), torch.zeros(1, 4, device=DEVICE)
+    pool = torch.zeros(2, 2, 16, 32, device=DEVICE).transpose(2, 3)  # [slots, Hv, dk 32, dv 16], dk and dv swapped
+    slots, params = torch.zeros(1, dtype=torch.long, device=DEVICE), torch.zeros(2, device=DEVICE)
+    with pytest.raises(ValueError, match="gated_delta_rule_decode: .* each state slot contiguous"):
+        kernels.gated_delta_rule_decode(x, ba, params, params, pool, slots, 1, 32, 16)
+    with pytest.raises(ValueError, match="gated_delta_rule_prefill: .* each state slot contiguous"):
+        kernels.gated_delta_rule_prefill(x, ba, params, params, pool, torch.tensor([0, 1], device=DEVICE), slots,
+                                         torch.ones(1, dtype=torch.bool, device=DEVICE), 1, 32, 16)
+
+
 def _paged_reference(q, kv_cache, tables, context_lens, scale):
     """Softmax attention of each request's one query over its blocks, in float64."""
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
