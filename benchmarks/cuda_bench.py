@@ -35,6 +35,7 @@ PROMPT_LEN, OUTPUT_LEN = 256, 128
 STAGES = ("graphs-triton", "graphs", "prefill-lengths", "served-graphs-triton", "served-graphs", "compiled", "hf",
           "served", "eager")
 TRITON_ENV = "ASCENDSERVE_TRITON_KERNELS"
+CHUNKED_ENV = "ASCENDSERVE_TRITON_CHUNKED_PREFILL"
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -52,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stages", default=",".join(STAGES),
                    help=f"any of {', '.join(STAGES)} (graphs: compilation_config cudagraph_mode FULL_DECODE_ONLY; "
                         f"served-graphs: the server with it; -triton: the Triton kernels on; prefill-lengths: one "
-                        f"prompt of 256 / 1024 / 4096 tokens, Triton kernels off and on)")
+                        f"prompt of 256 / 1024 / 4096 tokens, Triton kernels off, on, on with the chunked prefill)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="small shapes: checks the script, measures nothing")
     return p.parse_args(argv)
@@ -189,9 +190,10 @@ def inprocess(path: Path, levels: list[int], device: str, eager: bool, vocab: in
 
 
 def prefill_lengths(path: Path, device: str, vocab: int, lengths=(256, 1024, 4096), reps: int = 3) -> dict:
-    """One prompt's prefill (max_tokens=1, compiled, eager steps) at each length, the Triton kernels off and on in
-    turn on one engine (the switch is read as each step runs): their Gated DeltaNet prefill runs token by token,
-    the torch form chunked, so long prompts are where the two may part. Median ms of `reps` after a warm-up."""
+    """One prompt's prefill (max_tokens=1, compiled, eager steps) at each length, the Triton kernels off, on, and on
+    with the chunked prefill in turn on one engine (the switches are read as each step runs): the Triton prefill's
+    delta rule runs token by token unless ASCENDSERVE_TRITON_CHUNKED_PREFILL=1, the torch form chunked, so long
+    prompts are where they may part. Median ms of `reps` after a warm-up."""
     from ascendserve import LLM, SamplingParams
     llm = LLM(str(path), skip_tokenizer_init=True, dtype="bfloat16", device=device, max_model_len=max(lengths) + 16,
               kv_cache_memory_bytes=8 << 30, max_num_seqs=4, max_num_batched_tokens=max(lengths))
@@ -200,8 +202,9 @@ def prefill_lengths(path: Path, device: str, vocab: int, lengths=(256, 1024, 409
     try:
         for n in lengths:
             prompt = [{"prompt_token_ids": prompts(1, vocab, n, n)[0]}]
-            for mode in ("torch", "triton"):
-                os.environ[TRITON_ENV] = "1" if mode == "triton" else "0"
+            for mode in ("torch", "triton", "triton-chunked"):
+                os.environ[TRITON_ENV] = "0" if mode == "torch" else "1"
+                os.environ[CHUNKED_ENV] = "1" if mode == "triton-chunked" else "0"
                 times = []
                 for _ in range(reps + 1):
                     _sync(device)
@@ -210,10 +213,11 @@ def prefill_lengths(path: Path, device: str, vocab: int, lengths=(256, 1024, 409
                     _sync(device)
                     times.append(1e3 * (time.perf_counter() - t0))
                 result[f"{mode}-{n}"] = sorted(times[1:])[len(times[1:]) // 2]
-            print(f"  prefill {n} tokens: torch {result[f'torch-{n}']:.1f} ms, triton {result[f'triton-{n}']:.1f} ms",
-                  flush=True)
-    finally:  # the later stages run with the switch as the environment had it
+            print(f"  prefill {n} tokens: torch {result[f'torch-{n}']:.1f} ms, triton {result[f'triton-{n}']:.1f} ms, "
+                  f"triton chunked {result[f'triton-chunked-{n}']:.1f} ms", flush=True)
+    finally:  # the later stages run with the switches as the environment had them
         os.environ.pop(TRITON_ENV, None)
+        os.environ.pop(CHUNKED_ENV, None)
     del llm
     _free(device)
     return result
@@ -365,9 +369,10 @@ def report(results: dict) -> str:
                 lines.append(f"{k}: single-stream decode {one['decode_tok_s']:.1f} tok/s = "
                              f"{one['decode_tok_s'] / roof:.1%} of the roofline")
         if (lengths := r.get("prefill-lengths")) and "error" not in lengths:
-            lines.append("one prompt's prefill, ms (Triton kernels off / on): " + ", ".join(
-                f"{k.split('-')[1]} tokens {v:.1f} / {lengths['triton-' + k.split('-')[1]]:.1f}"
-                for k, v in lengths.items() if k.startswith("torch-")))
+            lines.append("one prompt's prefill, ms (Triton kernels off / on / on with the chunked prefill): " +
+                         ", ".join(f"{n} tokens {v:.1f} / {lengths[f'triton-{n}']:.1f} / "
+                                   f"{lengths[f'triton-chunked-{n}']:.1f}"
+                                   for k, v in lengths.items() if k.startswith("torch-") for n in [k.split("-")[1]]))
         for k, v in r.items():
             if isinstance(v, dict) and "error" in v:
                 lines.append(f"{k} failed: {v['error']}")

@@ -5,6 +5,11 @@ ASCENDSERVE_TRITON_KERNELS=1 turns them on for tensors on a CUDA device; unset o
 are off by default until a GPU run has measured them (checked for correctness against the torch forms under Triton's
 interpreter only: tests/layers/test_triton_ops.py). Under the interpreter (TRITON_INTERPRET=1, set before triton
 is first imported) the switch also takes CPU tensors, so the engine's tests can run a whole model through them.
+
+ASCENDSERVE_TRITON_CHUNKED_PREFILL=1 (with the above) runs Gated DeltaNet's prefill recurrence in the chunked form
+(triton_ops.chunk_gated_delta_rule: 64 tokens a step in matrix products) instead of token by token. Which is faster
+at which prompt lengths is for a GPU run to measure (benchmarks/cuda_bench.py's prefill-lengths stage); until then
+token by token stays, as measured first.
 """
 
 import os
@@ -18,6 +23,7 @@ from ascendserve.logger import init_logger
 logger = init_logger(__name__)
 
 ENV_VAR = "ASCENDSERVE_TRITON_KERNELS"
+CHUNKED_PREFILL_ENV = "ASCENDSERVE_TRITON_CHUNKED_PREFILL"
 _lock = threading.Lock()
 _state: dict = {}  # "ops": the imported triton_ops module, or None once an import failed; "ignored": device types
 
@@ -38,6 +44,12 @@ def ops_for(t: torch.Tensor):
             if "ops" not in _state:
                 _state["ops"] = _import()
     return _state["ops"]
+
+
+def chunked_prefill() -> bool:
+    """Whether the Triton prefill's delta rule runs chunked (ASCENDSERVE_TRITON_CHUNKED_PREFILL=1), not token by
+    token."""
+    return env_switch(CHUNKED_PREFILL_ENV) is True
 
 
 def _import():

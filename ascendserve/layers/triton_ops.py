@@ -6,9 +6,9 @@ H200 a Qwen3.5-0.8B decode step was ~2170 kernel-launching ops, the 18 Gated Del
 l2norm, bmm, baddbmm, index_copy), and decode attention gathered every block of every request into a workspace to
 mask it for SDPA (BENCHMARKS.md, run 99); its prefill ran the chunked form's ~80 ops a layer. The same math as the
 plain-torch forms (layers/gated_deltanet.py and layers/attention.py), sums in another order (the prefill's recurrence
-token by token, as the CPU's C++ op; the torch form chunks it); the conv and the delta rule round where those do,
-attention stays fp32 throughout (as the CPU kernel). Imported only through layers/triton_kernels.py; under Triton's
-interpreter (TRITON_INTERPRET=1) the kernels run on CPU tensors, which is how the tests check them.
+token by token, as the CPU's C++ op, or chunked as the torch form, in two launches); the conv and the delta rule round
+where those do, attention stays fp32 throughout (as the CPU kernel). Imported only through layers/triton_kernels.py;
+under Triton's interpreter (TRITON_INTERPRET=1) the kernels run on CPU tensors, which is how the tests check them.
 """
 
 import functools
@@ -101,12 +101,23 @@ def _delta_rule_token(s, x_at, ba_at, kh, h, kk, vv, k_ok, v_ok, a_decay, dt_bia
     v = tl.load(x_at + 2 * key_dim + h * DV + vv, mask=v_ok, other=0.0).to(tl.float32)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    # beta = sigmoid(b) in b's dtype; g = -exp(A_log) softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch)
-    beta = tl.sigmoid(tl.load(ba_at + h).to(tl.float32)).to(ba_at.dtype.element_ty).to(tl.float32)
-    a = tl.load(ba_at + HV + h).to(tl.float32) + dt_bias
-    s = s * tl.exp(a_decay * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0)))))
-    s += k[:, None] * ((v - tl.sum(s * k[:, None], 0)) * beta)[None, :]
+    b = tl.load(ba_at + h)
+    s = s * tl.exp(_log_decay(tl.load(ba_at + HV + h), a_decay, dt_bias))
+    s += k[:, None] * ((v - tl.sum(s * k[:, None], 0)) * _beta(b))[None, :]
     return s, tl.sum(s * q[:, None], 0)
+
+
+@triton.jit
+def _beta(b):
+    """sigmoid(b), rounded to b's dtype as the torch path computes it, as fp32."""
+    return tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+
+
+@triton.jit
+def _log_decay(a, a_decay, dt_bias):
+    """g = -exp(A_log) softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch's); a_decay = -exp(A_log)."""
+    a = a.to(tl.float32) + dt_bias
+    return a_decay * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
 
 
 @triton.jit
@@ -133,27 +144,33 @@ def gated_delta_rule_decode(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tens
     state_indices. Returns o [B, Hv, dv] in x's dtype: what Qwen3_5GatedDeltaNet's torch path gets from
     computing g and beta and calling recurrent_gated_delta_rule(..., use_qk_l2norm_in_kernel=True).
     """
-    return _delta_rule(_gated_delta_rule_decode_kernel, x.shape[0], x, ba, a_log, dt_bias, states, (state_indices,),
-                       num_k_heads, head_k_dim, head_v_dim, scale)
+    return _delta_rule(_gated_delta_rule_decode_kernel, x.shape[0], x, ba, (ba, ba.stride(0), a_log, dt_bias), states,
+                       (state_indices,), num_k_heads, head_k_dim, head_v_dim, scale)
 
 
-def _delta_rule(kernel, rows: int, x, ba, a_log, dt_bias, states, slot_args: tuple, num_k_heads: int, head_k_dim: int,
-                head_v_dim: int, scale: float | None) -> torch.Tensor:
-    """Launch a delta-rule kernel over `rows` rows or sequences (slot_args: the state slots, and for prefill the
-    sequence bounds and has_initial_state) x Hv heads x dv / BV column blocks; its output [T, Hv, dv] in x's dtype."""
+def _delta_rule(kernel, rows: int, x, ba, gate_args: tuple, states, slot_args: tuple, num_k_heads: int,
+                head_k_dim: int, head_v_dim: int, scale: float | None, **constexprs) -> torch.Tensor:
+    """Launch a delta-rule kernel over `rows` rows or sequences x Hv heads x dv / BV column blocks: its arguments
+    x, then gate_args (ba and the gates' parameters, for the kernels that compute the gates), the state pool,
+    slot_args (the state slots, and for prefill the sequence bounds, has_initial_state and any scratch), the output
+    [T, Hv, dv] in x's dtype."""
     num_v_heads = ba.shape[1] // 2
-    slot_layout = (head_k_dim * head_v_dim, head_v_dim, 1)  # [Hv, dk, dv] contiguous within a slot
-    if x.stride(1) != 1 or ba.stride(1) != 1 or states.stride()[1:] != slot_layout:
-        name = kernel.__name__.strip("_").removesuffix("_kernel")  # the public function's name
-        raise ValueError(f"{name}: x and ba need contiguous rows, each state slot contiguous")
+    _check_layout(kernel.__name__.strip("_").removesuffix("_kernel"), x, ba, states, head_k_dim, head_v_dim)
     out = torch.empty(x.shape[0], num_v_heads, head_v_dim, dtype=x.dtype, device=x.device)
     if x.shape[0] and rows:
         block_v = min(STATE_BLOCK_V, _pow2(head_v_dim))
         kernel[(rows * num_v_heads, triton.cdiv(head_v_dim, block_v))](
-            x, x.stride(0), ba, ba.stride(0), a_log, dt_bias, states, states.stride(0), *slot_args, out,
+            x, x.stride(0), *gate_args, states, states.stride(0), *slot_args, out,
             head_k_dim ** -0.5 if scale is None else scale, num_k_heads * head_k_dim,
-            HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=_pow2(head_k_dim), BV=block_v)
+            HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=_pow2(head_k_dim), BV=block_v,
+            **constexprs)
     return out
+
+
+def _check_layout(name: str, x, ba, states, head_k_dim: int, head_v_dim: int) -> None:
+    """The delta-rule kernels address x's and ba's rows and each state slot's [Hv, dk, dv] as contiguous."""
+    if x.stride(1) != 1 or ba.stride(1) != 1 or states.stride()[1:] != (head_k_dim * head_v_dim, head_v_dim, 1):
+        raise ValueError(f"{name}: x and ba need contiguous rows, each state slot contiguous")
 
 
 @triton.jit
@@ -241,9 +258,124 @@ def gated_delta_rule_prefill(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Ten
     computes another way, to fp32 rounding): x [T, 2 Hk dk + Hv dv] after the conv, ba [T, 2 Hv]; each sequence starts
     from its slot of states (zeros where has_initial_state is False) and leaves its final state there. Returns
     o [T, Hv, dv] in x's dtype. A sequence's tokens run one after another in each of its Hv x dv / 32 programs: fine
-    for prompts of hundreds of tokens; thousands want the chunked form's parallelism (not written as a kernel)."""
-    return _delta_rule(_gated_delta_rule_prefill_kernel, cu_seqlens.numel() - 1, x, ba, a_log, dt_bias, states,
-                       (state_indices, cu_seqlens, has_initial_state), num_k_heads, head_k_dim, head_v_dim, scale)
+    for prompts of hundreds of tokens; for thousands, chunk_gated_delta_rule takes 64 at a time."""
+    return _delta_rule(_gated_delta_rule_prefill_kernel, cu_seqlens.numel() - 1, x, ba,
+                       (ba, ba.stride(0), a_log, dt_bias), states, (state_indices, cu_seqlens, has_initial_state),
+                       num_k_heads, head_k_dim, head_v_dim, scale)
+
+
+DELTA_CHUNK = 64  # tokens per chunk of the chunked delta rule (transformers' and FLA's)
+# The chunked form's products: fp32 operands on tensor cores in three TF32 passes, fp32's accuracy (one pass keeps 10
+# mantissa bits, ~1e-3 relative: more than the fp32 tests allow a model's logprobs). 8 warps: its [64, dk] fp32 tiles
+# still spill registers on sm_80 / sm_90 (tests/layers/compile_triton_ops.py reports how much); bf16 operands, as
+# FLA takes, would take half the registers at a bf16 rounding of each.
+DELTA_DOT = "tf32x3"
+DELTA_WARPS = 8
+
+
+@triton.jit
+def _unit_rows(at, row_stride, rows, ok, kk, k_ok):
+    """The rows' dk values from `at` (rows past the chunk: zeros), each l2-normalized (eps 1e-6), fp32 [C, BK]."""
+    x = tl.load(at + rows[:, None] * row_stride + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+    x = x.to(tl.float32)
+    return x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _chunk_solve_kernel(x_ptr, x_row, ba_ptr, ba_row, a_log_ptr, dt_bias_ptr, cu_ptr, t_ptr, gb_ptr, key_dim,
+                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+                        DOT: tl.constexpr):
+    """Chunk c of one sequence, value head h: what its chunk needs that does not depend on the state. The gates'
+    cumulative log-decay and beta per token to gb_ptr [T, Hv, 2]; and T = (I + A)^-1 to t_ptr [T, Hv, C] (row i of
+    the chunk at its token), where A[i, j] = beta_i (k_i . k_j) exp(g_i - g_j) for j < i (transformers' forward
+    substitution, row by row). Grid (sequences, ceil(T / C), Hv): chunks past a sequence's end do nothing."""
+    seq = tl.program_id(0)
+    first = tl.load(cu_ptr + seq) + tl.program_id(1) * C
+    end = tl.load(cu_ptr + seq + 1)
+    h = tl.program_id(2)
+    if first < end:
+        r = tl.arange(0, C)
+        rows = first + r
+        ok = rows < end
+        kk = tl.arange(0, BK)
+        k = _unit_rows(x_ptr + key_dim + (h // (HV // HK)) * DK, x_row, rows, ok, kk, kk < DK)
+        beta = tl.where(ok, _beta(tl.load(ba_ptr + rows * ba_row + h, mask=ok, other=0.0)), 0.0)
+        g = tl.load(ba_ptr + rows * ba_row + HV + h, mask=ok, other=0.0)
+        g = tl.cumsum(tl.where(ok, _log_decay(g, -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)),
+                                                 tl.load(dt_bias_ptr + h).to(tl.float32)), 0.0), 0)
+        lower = r[:, None] > r[None, :]
+        a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=DOT)
+        a = tl.where(lower, a * tl.exp(tl.where(lower, g[:, None] - g[None, :], 0.0)), 0.0)  # exponents <= 0
+        # T_i = e_i - sum_{j < i} A_ij T_j, i = 1 .. n-1; the rows at and past i are still e_j, and A_ij = 0 there
+        t = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+        for i in range(1, tl.minimum(end - first, C)):
+            a_i = tl.sum(tl.where(r[:, None] == i, a, 0.0), 0)
+            t = tl.where(r[:, None] == i, t - tl.sum(a_i[:, None] * t, 0)[None, :], t)
+        tl.store(t_ptr + (rows[:, None] * HV + h) * C + r[None, :], t, mask=ok[:, None])
+        tl.store(gb_ptr + (rows * HV + h) * 2, g, mask=ok)
+        tl.store(gb_ptr + (rows * HV + h) * 2 + 1, beta, mask=ok)
+
+
+@triton.jit
+def _chunk_gated_delta_rule_kernel(x_ptr, x_row, state_ptr, s_slot, slot_ptr, cu_ptr, init_ptr, t_ptr, gb_ptr,
+                                   out_ptr, scale, key_dim, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                                   DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                                   DOT: tl.constexpr):
+    """Value head h of one sequence, BV of its dv columns: the state tile in registers from the slot (zeros for a
+    fresh sequence) through the sequence's chunks, C tokens a step (transformers' torch_chunk_gated_delta_rule):
+    W = T (beta exp(g) k), U = T (beta v); V' = U - W S; O = (exp(g) q) S + causal(q k^T exp(g_i - g_j)) V';
+    S = exp(g_last) S + (exp(g_last - g) k)^T V'."""
+    seq, h, kk, vv, k_ok, v_ok, s_at, s_ok = _state_tile(state_ptr, s_slot, slot_ptr, HV, DK, DV, BK, BV)
+    s = tl.load(s_at, mask=s_ok, other=0.0).to(tl.float32)
+    s = tl.where(tl.load(init_ptr + seq).to(tl.int32) == 0, 0.0, s)  # a fresh sequence starts from zeros
+    kh = h // (HV // HK)
+    r = tl.arange(0, C)
+    end = tl.load(cu_ptr + seq + 1)
+    for first in range(tl.load(cu_ptr + seq), end, C):
+        rows = first + r
+        ok = rows < end
+        g = tl.load(gb_ptr + (rows * HV + h) * 2, mask=ok, other=0.0)
+        beta = tl.load(gb_ptr + (rows * HV + h) * 2 + 1, mask=ok, other=0.0)
+        g_last = tl.sum(tl.where(r == tl.minimum(end - first, C) - 1, g, 0.0), 0)
+        t = tl.load(t_ptr + (rows[:, None] * HV + h) * C + r[None, :], mask=ok[:, None], other=0.0)
+        k = _unit_rows(x_ptr + key_dim + kh * DK, x_row, rows, ok, kk, k_ok)
+        v = tl.load(x_ptr + rows[:, None] * x_row + 2 * key_dim + h * DV + vv[None, :],
+                    mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.dot(t, k * (beta * tl.exp(g))[:, None], input_precision=DOT)
+        v_new = tl.dot(t, v * beta[:, None], input_precision=DOT) - tl.dot(w, s, input_precision=DOT)
+        q = _unit_rows(x_ptr + kh * DK, x_row, rows, ok, kk, k_ok) * scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT)
+        causal = (r[:, None] >= r[None, :]) & ok[:, None]  # rows past the end hold g = 0: no exponent for them
+        qk = tl.where(causal, qk * tl.exp(tl.where(causal, g[:, None] - g[None, :], 0.0)), 0.0)
+        o = tl.dot(q * tl.exp(g)[:, None], s, input_precision=DOT) + tl.dot(qk, v_new, input_precision=DOT)
+        tl.store(out_ptr + (rows[:, None] * HV + h) * DV + vv[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=ok[:, None] & v_ok[None, :])
+        s = s * tl.exp(g_last) + tl.dot(tl.trans(k * tl.exp(g_last - g)[:, None]), v_new, input_precision=DOT)
+    tl.store(s_at, s.to(state_ptr.dtype.element_ty), mask=s_ok)
+
+
+def chunk_gated_delta_rule(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                           states: torch.Tensor, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
+                           has_initial_state: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+                           scale: float | None = None) -> torch.Tensor:
+    """gated_delta_rule_prefill's contract in the chunked form, two launches: every chunk of every sequence and
+    head solves its triangular system at once (DELTA_CHUNK tokens, fp32 scratch of T x Hv x (DELTA_CHUNK + 2)
+    floats), then each sequence's programs carry the state through its chunks, a chunk's tokens together in
+    matrix products. Without a host sync: the first launch's grid covers ceil(T / DELTA_CHUNK) chunks of every
+    sequence, and those past a sequence's end return at once."""
+    _check_layout("chunk_gated_delta_rule", x, ba, states, head_k_dim, head_v_dim)
+    tokens, num_v_heads = x.shape[0], ba.shape[1] // 2
+    batch = cu_seqlens.numel() - 1
+    t_buf = torch.empty(tokens, num_v_heads, DELTA_CHUNK, dtype=torch.float32, device=x.device)
+    gb_buf = torch.empty(tokens, num_v_heads, 2, dtype=torch.float32, device=x.device)
+    if tokens and batch:
+        _chunk_solve_kernel[(batch, triton.cdiv(tokens, DELTA_CHUNK), num_v_heads)](
+            x, x.stride(0), ba, ba.stride(0), a_log, dt_bias, cu_seqlens, t_buf, gb_buf, num_k_heads * head_k_dim,
+            HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, BK=_pow2(head_k_dim), C=DELTA_CHUNK,
+            DOT=DELTA_DOT, num_warps=DELTA_WARPS)
+    return _delta_rule(_chunk_gated_delta_rule_kernel, batch, x, ba, (), states,
+                       (state_indices, cu_seqlens, has_initial_state, t_buf, gb_buf), num_k_heads, head_k_dim,
+                       head_v_dim, scale, C=DELTA_CHUNK, DOT=DELTA_DOT, num_warps=DELTA_WARPS)
 
 
 @triton.jit

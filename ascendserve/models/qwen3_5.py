@@ -105,7 +105,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
     fp32 model, each kind is one C++ op (csrc/gdn_decode_cpu.cpp, csrc/gdn_prefill_cpu.cpp) that also
     does the conv and the gated norm (the prefill op runs the recurrence token by token, which was
     faster there than the chunked form); on a GPU with ASCENDSERVE_TRITON_KERNELS=1 the conv and the delta rule are
-    one Triton launch each (layers/triton_ops.py); the plain-torch path below is the reference and the fallback.
+    Triton launches (layers/triton_ops.py; the prefill's delta rule token by token, or chunked with
+    ASCENDSERVE_TRITON_CHUNKED_PREFILL=1); the plain-torch path below is the reference and the fallback.
     """
 
     # In a bf16 model on CPU the projections the fused fp32 ops read hand them their fp32 sums (prepack.py): no
@@ -223,8 +224,10 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         if (kernels := triton_kernels.ops_for(mixed_qkv)) is not None and weight.shape[1] == 4:
             x = kernels.causal_conv1d_prefill(mixed_qkv, weight, conv_states, cu_seqlens, slots, has_initial,
                                               self.activation)
-            return kernels.gated_delta_rule_prefill(x, ba, self.A_log, self.dt_bias, ssm_states, cu_seqlens, slots,
-                                                    has_initial, self.num_k_heads, self.head_k_dim, self.head_v_dim)
+            delta_rule = kernels.chunk_gated_delta_rule if triton_kernels.chunked_prefill() else \
+                kernels.gated_delta_rule_prefill
+            return delta_rule(x, ba, self.A_log, self.dt_bias, ssm_states, cu_seqlens, slots, has_initial,
+                              self.num_k_heads, self.head_k_dim, self.head_v_dim)
         g, beta = self._gates(ba)
         x = causal_conv1d_prefill(mixed_qkv, weight, conv_states, cu_seqlens, slots, has_initial,
                                   activation=self.activation)

@@ -20,12 +20,13 @@ from transformers import AutoModelForCausalLM
 from ascendserve import LLM, SamplingParams
 from ascendserve.config import EngineArgs
 from ascendserve.engine.llm_engine import LLMEngine
-from ascendserve.layers import cpu_kernels
+from ascendserve.layers import cpu_kernels, triton_kernels
 from ascendserve.platforms import get_platform
 from ascendserve.worker.decode_graphs import EAGER_ENV
 from tests.models.llama_tiny import LLAMA_NEW, build_llama
-from tests.models.qwen3_5_tiny import (LENGTHS, MAX_NEW, TEXT, TRITON_KERNELS, assert_near_reference,
-                                       assert_pools_clean, checkpoint_cache, greedy_params, record_triton_calls)
+from tests.models.qwen3_5_tiny import (CHUNKED_PREFILL_KERNEL, LENGTHS, MAX_NEW, TEXT, TRITON_KERNELS,
+                                       assert_near_reference, assert_pools_clean, checkpoint_cache, greedy_params,
+                                       record_triton_calls)
 from tests.models.reference import check_outputs, generate_with_arrivals
 
 DEVICE = os.environ.get("ASCENDSERVE_TEST_DEVICE", "cuda")
@@ -183,14 +184,20 @@ def test_decode_graphs(checkpoints, llama, kind, monkeypatch):
     assert all((graph is not None) == graphs.capture for graph, _ in graphs.graphs.values())
 
 
-@pytest.mark.parametrize("dtype,graphs", [("float32", False), ("float32", True), ("bfloat16", True)])
-def test_qwen3_5_triton_kernels(checkpoints, monkeypatch, dtype, graphs):
-    # ASCENDSERVE_TRITON_KERNELS=1: Gated DeltaNet's conv and recurrent update (decode rows and prefill sequences) and
-    # paged decode attention as Triton kernels (compiled for this GPU; tests/layers checks them under the interpreter),
-    # eagerly and captured.
+@pytest.mark.parametrize("dtype,graphs,chunked", [("float32", False, False), ("float32", True, False),
+                                                  ("bfloat16", True, False), ("float32", False, True),
+                                                  ("bfloat16", True, True)])
+def test_qwen3_5_triton_kernels(checkpoints, monkeypatch, dtype, graphs, chunked):
+    # ASCENDSERVE_TRITON_KERNELS=1: Gated DeltaNet's conv and recurrent update (decode rows and prefill sequences, the
+    # prefill's delta rule token by token or chunked) and paged decode attention as Triton kernels (compiled for this
+    # GPU; tests/layers checks them under the interpreter), eagerly and captured.
     if DEVICE == "cpu" and dtype == "bfloat16":
         pytest.skip("the interpreter rounds fp32 -> bf16 toward zero (a GPU to nearest): bf16 drifts past the bound")
     calls = record_triton_calls(monkeypatch)
+    expected = set(TRITON_KERNELS)
+    if chunked:
+        monkeypatch.setenv(triton_kernels.CHUNKED_PREFILL_ENV, "1")
+        expected = expected - {"gated_delta_rule_prefill"} | {CHUNKED_PREFILL_KERNEL}
     if DEVICE == "cpu":  # the interpreter (tests/conftest.py) around the torch path, the graphs' eager stand-in
         monkeypatch.setitem(cpu_kernels._state, "ops", None)
         monkeypatch.setenv(EAGER_ENV, "1")
@@ -204,7 +211,7 @@ def test_qwen3_5_triton_kernels(checkpoints, monkeypatch, dtype, graphs):
         check_outputs(outputs, refs)
     else:  # as test_qwen3_5_bf16
         assert_near_reference(outputs, refs, max_drift=0.15, min_gap=0.5)
-    assert set(TRITON_KERNELS) <= set(calls)
+    assert set(calls) == expected
     assert (engine.runner.decode_graphs is not None and engine.runner.decode_graphs.num_replays > 0) == graphs
     assert_pools_clean(engine)
 

@@ -20,8 +20,8 @@ from ascendserve.layers import cpu_kernels, triton_kernels
 from ascendserve.layers.gated_deltanet import (causal_conv1d_decode, causal_conv1d_prefill, chunk_gated_delta_rule,
                                                recurrent_gated_delta_rule)
 from ascendserve.worker.decode_graphs import EAGER_ENV
-from tests.models.qwen3_5_tiny import (TRITON_KERNELS, assert_pools_clean, checkpoint_cache, greedy_params,
-                                       record_triton_calls)
+from tests.models.qwen3_5_tiny import (CHUNKED_PREFILL_KERNEL, TRITON_KERNELS, assert_pools_clean, checkpoint_cache,
+                                       greedy_params, record_triton_calls)
 from tests.models.reference import check_outputs, generate_with_arrivals
 
 pytest.importorskip("triton", reason="triton is a test dependency (pyproject's [test] extra)")
@@ -127,9 +127,10 @@ def test_conv1d_prefill_matches_torch(kernels, dtype):
         kernels.causal_conv1d_prefill(x, weight[:, :3], pool, cu, slots, initial, "silu")
 
 
+@pytest.mark.parametrize("form", ["gated_delta_rule_prefill", "chunk_gated_delta_rule"])  # token by token, chunked
 @pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 32, 16), (1, 3, 24, 40)])
 @pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
-def test_gated_delta_rule_prefill_matches_the_chunked_form(kernels, hk, hv, dk, dv, dtype, state_dtype):
+def test_gated_delta_rule_prefill_matches_the_chunked_form(kernels, form, hk, hv, dk, dv, dtype, state_dtype):
     tokens, key_dim = sum(PREFILL_LENS), hk * dk
     conv_out = _randn(tokens, 2 * key_dim + hv * dv + 8, seed=14, dtype=dtype)[:, :2 * key_dim + hv * dv]
     ba = _randn(tokens, 2 * hv, seed=15, dtype=dtype)
@@ -144,7 +145,7 @@ def test_gated_delta_rule_prefill_matches_the_chunked_form(kernels, hk, hv, dk, 
                                         v.reshape(tokens, hv, dv), *_gates(ba, a_log, dt_bias, hv), start, cu, 64,
                                         use_qk_l2norm_in_kernel=True)
     ref_pool[slots] = final.to(state_dtype)
-    out = kernels.gated_delta_rule_prefill(conv_out, ba, a_log, dt_bias, pool, cu, slots, initial, hk, dk, dv)
+    out = getattr(kernels, form)(conv_out, ba, a_log, dt_bias, pool, cu, slots, initial, hk, dk, dv)
     assert out.dtype == dtype and out.shape == (tokens, hv, dv)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else BF16_TOL  # token by token vs chunked: fp32 order
     torch.testing.assert_close(out.float(), ref.float(), **tol)
@@ -158,9 +159,10 @@ def test_delta_rule_kernels_reject_a_strided_state_pool(kernels):
     slots, params = torch.zeros(1, dtype=torch.long, device=DEVICE), torch.zeros(2, device=DEVICE)
     with pytest.raises(ValueError, match="gated_delta_rule_decode: .* each state slot contiguous"):
         kernels.gated_delta_rule_decode(x, ba, params, params, pool, slots, 1, 32, 16)
-    with pytest.raises(ValueError, match="gated_delta_rule_prefill: .* each state slot contiguous"):
-        kernels.gated_delta_rule_prefill(x, ba, params, params, pool, torch.tensor([0, 1], device=DEVICE), slots,
-                                         torch.ones(1, dtype=torch.bool, device=DEVICE), 1, 32, 16)
+    for form in ("gated_delta_rule_prefill", "chunk_gated_delta_rule"):
+        with pytest.raises(ValueError, match=f"^{form}: .* each state slot contiguous"):
+            getattr(kernels, form)(x, ba, params, params, pool, torch.tensor([0, 1], device=DEVICE), slots,
+                                   torch.ones(1, dtype=torch.bool, device=DEVICE), 1, 32, 16)
 
 
 def _paged_reference(q, kv_cache, tables, context_lens, scale):
@@ -240,12 +242,16 @@ def checkpoints(tmp_path_factory):
     return checkpoint_cache(tmp_path_factory)
 
 
-# eager steps, each context read in up to 3 parts; decode steps through the graphs' static buffers, parts as the
-# heuristic picks them (mostly one at these batches)
+# eager steps, each context read in up to 3 parts, prefills on the chunked delta rule; decode steps through the graphs'
+# static buffers, parts as the heuristic picks them (mostly one at these batches), prefills token by token
 @pytest.mark.parametrize("graphs", [False, True])
 def test_qwen3_5_on_the_triton_kernels_matches_transformers(kernels, checkpoints, monkeypatch, graphs):
     from ascendserve import LLM
     calls = record_triton_calls(monkeypatch)
+    expected = set(TRITON_KERNELS)
+    if not graphs:
+        monkeypatch.setenv(triton_kernels.CHUNKED_PREFILL_ENV, "1")
+        expected = expected - {"gated_delta_rule_prefill"} | {CHUNKED_PREFILL_KERNEL}
     monkeypatch.setitem(cpu_kernels._state, "ops", None)  # the plain-torch path a GPU takes, around the kernels
     extra = {}
     if not graphs:
@@ -258,7 +264,7 @@ def test_qwen3_5_on_the_triton_kernels_matches_transformers(kernels, checkpoints
               max_num_batched_tokens=40, max_num_seqs=4, **extra)
     # requests join while others decode: steps that mix prefill and decode rows, and pure decode steps
     check_outputs(generate_with_arrivals(llm.llm_engine, prompts, greedy_params()), refs)
-    assert set(TRITON_KERNELS) <= set(calls)
+    assert set(calls) == expected
     if graphs:
         assert llm.llm_engine.runner.decode_graphs.num_replays > 0
     assert_pools_clean(llm.llm_engine)
@@ -278,4 +284,8 @@ def test_kernels_compile_for_ampere_and_hopper(tmp_path):
     from tests.layers.compile_triton_ops import VARIANTS
     assert len(rows) == 2 * sum(len(dtypes) for *_, dtypes in VARIANTS) > 30
     assert all("error" not in r for r in rows), [r for r in rows if "error" in r]
-    assert all(r["stack"] == 0 and 0 < r["regs"] <= 255 for r in rows), rows  # no spills to local memory
+    assert all(0 < r["regs"] <= 255 for r in rows), rows
+    # no spills to local memory, but in the chunked delta rule's two kernels (see triton_ops.DELTA_DOT); and theirs
+    # stay what they were when written (up to ~17 KB a thread on sm_80, ~3.4 KB on sm_90), not worse
+    assert all(r["stack"] == 0 for r in rows if not r["kernel"].startswith("chunk-")), rows
+    assert all(r["stack"] <= (20000 if r["arch"] == 80 else 4096) for r in rows), rows

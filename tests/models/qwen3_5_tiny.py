@@ -117,6 +117,7 @@ def assert_near_reference(outputs, refs, max_drift: float, min_gap: float) -> No
 
 TRITON_KERNELS = ("causal_conv1d_decode", "gated_delta_rule_decode", "paged_decode", "causal_conv1d_prefill",
                   "gated_delta_rule_prefill")
+CHUNKED_PREFILL_KERNEL = "chunk_gated_delta_rule"  # in gated_delta_rule_prefill's place with CHUNKED_PREFILL_ENV=1
 
 
 def record_triton_calls(monkeypatch) -> list[str]:
@@ -125,7 +126,7 @@ def record_triton_calls(monkeypatch) -> list[str]:
     from ascendserve.layers import triton_kernels, triton_ops
     monkeypatch.setenv(triton_kernels.ENV_VAR, "1")
     calls: list[str] = []
-    for name in TRITON_KERNELS:
+    for name in TRITON_KERNELS + (CHUNKED_PREFILL_KERNEL,):
         fn = getattr(triton_ops, name)
         monkeypatch.setattr(triton_ops, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
     return calls
