@@ -30,12 +30,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from ascendserve.layers import triton_kernels  # noqa: E402
+
 PROMPT_LEN, OUTPUT_LEN = 256, 128
 # in the order they run, the newest first; "-triton": with ASCENDSERVE_TRITON_KERNELS=1 (layers/triton_ops.py)
 STAGES = ("graphs-triton", "graphs", "prefill-lengths", "served-graphs-triton", "served-graphs", "compiled", "hf",
           "served", "eager")
-TRITON_ENV = "ASCENDSERVE_TRITON_KERNELS"
-CHUNKED_ENV = "ASCENDSERVE_TRITON_CHUNKED_PREFILL"
+TRITON_ENV = triton_kernels.ENV_VAR
+CHUNKED_ENV = triton_kernels.CHUNKED_PREFILL_ENV
+PREFILL_MODES = ("torch", "triton", "triton-chunked")  # prefill-lengths: kernels off, on, on with the chunked prefill
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -202,7 +205,7 @@ def prefill_lengths(path: Path, device: str, vocab: int, lengths=(256, 1024, 409
     try:
         for n in lengths:
             prompt = [{"prompt_token_ids": prompts(1, vocab, n, n)[0]}]
-            for mode in ("torch", "triton", "triton-chunked"):
+            for mode in PREFILL_MODES:
                 os.environ[TRITON_ENV] = "0" if mode == "torch" else "1"
                 os.environ[CHUNKED_ENV] = "1" if mode == "triton-chunked" else "0"
                 times = []
@@ -213,8 +216,8 @@ def prefill_lengths(path: Path, device: str, vocab: int, lengths=(256, 1024, 409
                     _sync(device)
                     times.append(1e3 * (time.perf_counter() - t0))
                 result[f"{mode}-{n}"] = sorted(times[1:])[len(times[1:]) // 2]
-            print(f"  prefill {n} tokens: torch {result[f'torch-{n}']:.1f} ms, triton {result[f'triton-{n}']:.1f} ms, "
-                  f"triton chunked {result[f'triton-chunked-{n}']:.1f} ms", flush=True)
+            print(f"  prefill {n} tokens, ms: " + ", ".join(f"{m} {result[f'{m}-{n}']:.1f}" for m in PREFILL_MODES),
+                  flush=True)
     finally:  # the later stages run with the switches as the environment had them
         os.environ.pop(TRITON_ENV, None)
         os.environ.pop(CHUNKED_ENV, None)
@@ -369,10 +372,10 @@ def report(results: dict) -> str:
                 lines.append(f"{k}: single-stream decode {one['decode_tok_s']:.1f} tok/s = "
                              f"{one['decode_tok_s'] / roof:.1%} of the roofline")
         if (lengths := r.get("prefill-lengths")) and "error" not in lengths:
+            sizes = [k.removeprefix("torch-") for k in lengths if k.startswith("torch-")]
             lines.append("one prompt's prefill, ms (Triton kernels off / on / on with the chunked prefill): " +
-                         ", ".join(f"{n} tokens {v:.1f} / {lengths[f'triton-{n}']:.1f} / "
-                                   f"{lengths[f'triton-chunked-{n}']:.1f}"
-                                   for k, v in lengths.items() if k.startswith("torch-") for n in [k.split("-")[1]]))
+                         ", ".join(f"{n} tokens " + " / ".join(f"{lengths[f'{m}-{n}']:.1f}" for m in PREFILL_MODES)
+                                   for n in sizes))
         for k, v in r.items():
             if isinstance(v, dict) and "error" in v:
                 lines.append(f"{k} failed: {v['error']}")

@@ -363,7 +363,7 @@ def chunk_gated_delta_rule(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tenso
     floats), then each sequence's programs carry the state through its chunks, a chunk's tokens together in
     matrix products. Without a host sync: the first launch's grid covers ceil(T / DELTA_CHUNK) chunks of every
     sequence, and those past a sequence's end return at once."""
-    _check_layout("chunk_gated_delta_rule", x, ba, states, head_k_dim, head_v_dim)
+    _check_layout("chunk_gated_delta_rule", x, ba, states, head_k_dim, head_v_dim)  # before the solve reads x, ba
     tokens, num_v_heads = x.shape[0], ba.shape[1] // 2
     batch = cu_seqlens.numel() - 1
     t_buf = torch.empty(tokens, num_v_heads, DELTA_CHUNK, dtype=torch.float32, device=x.device)

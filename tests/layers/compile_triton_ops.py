@@ -78,7 +78,7 @@ def resources(cubin: bytes) -> dict:
 
 def compile_one(kernel, types: dict, constexprs: dict, x: str, s: str, arch: int) -> dict:
     constexprs = dict(constexprs)
-    options = {key: constexprs.pop(key) for key in ("num_warps", "num_stages") if key in constexprs}  # launch options
+    options = {"num_warps": constexprs.pop("num_warps")} if "num_warps" in constexprs else {}  # a launch option
     signature = {name: t.format(x=x, s=s) for name, t in types.items()} | {name: "constexpr" for name in constexprs}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", arch, 32), options=options)
