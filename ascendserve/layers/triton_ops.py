@@ -7,11 +7,13 @@ l2norm, bmm, baddbmm, index_copy), and decode attention gathered every block of 
 mask it for SDPA (BENCHMARKS.md, run 99); its prefill ran the chunked form's ~80 ops a layer. The same math as the
 plain-torch forms (layers/gated_deltanet.py and layers/attention.py), sums in another order (the prefill's recurrence
 token by token, as the CPU's C++ op, or chunked as the torch form, in two launches); the conv and the delta rule round
-where those do, attention stays fp32 throughout (as the CPU kernel). Imported only through layers/triton_kernels.py;
+where those do (but the chunked form's products in a bf16 model, on bf16 operands: delta_dot), attention stays fp32
+throughout (as the CPU kernel). Imported only through layers/triton_kernels.py;
 under Triton's interpreter (TRITON_INTERPRET=1) the kernels run on CPU tensors, which is how the tests check them.
 """
 
 import functools
+import os
 
 import torch
 import triton
@@ -265,12 +267,32 @@ def gated_delta_rule_prefill(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Ten
 
 
 DELTA_CHUNK = 64  # tokens per chunk of the chunked delta rule (transformers' and FLA's)
-# The chunked form's products: fp32 operands on tensor cores in three TF32 passes, fp32's accuracy (one pass keeps 10
-# mantissa bits, ~1e-3 relative: more than the fp32 tests allow a model's logprobs). 8 warps: its [64, dk] fp32 tiles
-# still spill registers on sm_80 / sm_90 (tests/layers/compile_triton_ops.py reports how much); bf16 operands, as
-# FLA takes, would take half the registers at a bf16 rounding of each.
-DELTA_DOT = "tf32x3"
+
+
+def delta_dot(dtype: torch.dtype) -> str:
+    """The chunked form's products for activations of `dtype`: an fp32 model's take fp32 operands on tensor cores in
+    three TF32 passes, fp32's accuracy (one pass keeps 10 mantissa bits, ~1e-3 relative: more than the fp32 tests
+    allow a model's logprobs); a bf16 or fp16 model's round each operand to bf16 (exact products, fp32 sums), as FLA's
+    kernels do: half the registers of fp32 tiles, which spill (tests/layers/compile_triton_ops.py reports how much).
+    Triton's interpreter multiplies bf16 tiles wrongly (their bits as integers), so there the same rounding is
+    followed by an fp32 product ("bf16-emulated")."""
+    if dtype == torch.float32:
+        return "tf32x3"
+    return "bf16-emulated" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
+
+
 DELTA_WARPS = 8
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    """a @ b with fp32 sums, at delta_dot's precision DOT."""
+    if DOT == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif DOT == "bf16-emulated":
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT)
 
 
 @triton.jit
@@ -282,13 +304,16 @@ def _unit_rows(at, row_stride, rows, ok, kk, k_ok):
 
 
 @triton.jit
-def _chunk_solve_kernel(x_ptr, x_row, ba_ptr, ba_row, a_log_ptr, dt_bias_ptr, cu_ptr, t_ptr, gb_ptr, key_dim,
-                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
-                        DOT: tl.constexpr):
-    """Chunk c of one sequence, value head h: what its chunk needs that does not depend on the state. The gates'
-    cumulative log-decay and beta per token to gb_ptr [T, Hv, 2]; and T = (I + A)^-1 to t_ptr [T, Hv, C] (row i of
-    the chunk at its token), where A[i, j] = beta_i (k_i . k_j) exp(g_i - g_j) for j < i (transformers' forward
-    substitution, row by row). Grid (sequences, ceil(T / C), Hv): chunks past a sequence's end do nothing."""
+def _chunk_prepare_kernel(x_ptr, x_row, ba_ptr, ba_row, a_log_ptr, dt_bias_ptr, cu_ptr, qkw_ptr, u_ptr, aqk_ptr, g_ptr,
+                          scale, key_dim, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr):
+    """Chunk c of one sequence, value head h: everything its chunk needs that does not depend on the state, to scratch
+    rows at its tokens. With g the gates' log-decay summed from the chunk's start (g_n at its last token), beta the
+    write strength, q and k l2-normalized, and T = (I + A)^-1, A[i, j] = beta_i (k_i . k_j) exp(g_i - g_j) for j < i
+    (transformers' forward substitution, row by row): qkw [T, Hv, 3, dk] = (scale exp(g) q, exp(g_n - g) k,
+    W = T (beta exp(g) k)), U = T (beta v) [T, Hv, dv] (fp32), the causal scores q_i . k_j exp(g_i - g_j) (j <= i)
+    [T, Hv, C] and g [T, Hv] (fp32). qkw and the scores in the dtype the products take them in (delta_dot).
+    Grid (sequences, ceil(T / C), Hv): chunks past a sequence's end do nothing."""
     seq = tl.program_id(0)
     first = tl.load(cu_ptr + seq) + tl.program_id(1) * C
     end = tl.load(cu_ptr + seq + 1)
@@ -297,60 +322,69 @@ def _chunk_solve_kernel(x_ptr, x_row, ba_ptr, ba_row, a_log_ptr, dt_bias_ptr, cu
         r = tl.arange(0, C)
         rows = first + r
         ok = rows < end
+        at = rows * HV + h  # the scratch row of each token
         kk = tl.arange(0, BK)
-        k = _unit_rows(x_ptr + key_dim + (h // (HV // HK)) * DK, x_row, rows, ok, kk, kk < DK)
+        k_ok = kk < DK
+        tile_ok = ok[:, None] & k_ok[None, :]
+        qkw_at = qkw_ptr + at[:, None] * (3 * DK) + kk[None, :]
+        kh = h // (HV // HK)
         beta = tl.where(ok, _beta(tl.load(ba_ptr + rows * ba_row + h, mask=ok, other=0.0)), 0.0)
         g = tl.load(ba_ptr + rows * ba_row + HV + h, mask=ok, other=0.0)
         g = tl.cumsum(tl.where(ok, _log_decay(g, -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)),
                                                  tl.load(dt_bias_ptr + h).to(tl.float32)), 0.0), 0)
+        g_last = tl.sum(tl.where(r == tl.minimum(end - first, C) - 1, g, 0.0), 0)
+        tl.store(g_ptr + at, g, mask=ok)
+        decay = tl.exp(tl.where(r[:, None] >= r[None, :], g[:, None] - g[None, :], 0.0))  # exponents <= 0
+        k = _unit_rows(x_ptr + key_dim + kh * DK, x_row, rows, ok, kk, k_ok)
+        q = _unit_rows(x_ptr + kh * DK, x_row, rows, ok, kk, k_ok) * scale
+        causal = (r[:, None] >= r[None, :]) & ok[:, None]
+        aqk = tl.where(causal, _dot(q, tl.trans(k), DOT) * decay, 0.0)
+        tl.store(aqk_ptr + at[:, None] * C + r[None, :], aqk.to(aqk_ptr.dtype.element_ty), mask=ok[:, None])
+        tl.store(qkw_at, (q * tl.exp(g)[:, None]).to(qkw_ptr.dtype.element_ty), mask=tile_ok)
+        tl.store(qkw_at + DK, (k * tl.exp(g_last - g)[:, None]).to(qkw_ptr.dtype.element_ty), mask=tile_ok)
         lower = r[:, None] > r[None, :]
-        a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=DOT)
-        a = tl.where(lower, a * tl.exp(tl.where(lower, g[:, None] - g[None, :], 0.0)), 0.0)  # exponents <= 0
+        a = tl.where(lower, _dot(k * beta[:, None], tl.trans(k), DOT) * decay, 0.0)
         # T_i = e_i - sum_{j < i} A_ij T_j, i = 1 .. n-1; the rows at and past i are still e_j, and A_ij = 0 there
         t = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
         for i in range(1, tl.minimum(end - first, C)):
             a_i = tl.sum(tl.where(r[:, None] == i, a, 0.0), 0)
             t = tl.where(r[:, None] == i, t - tl.sum(a_i[:, None] * t, 0)[None, :], t)
-        tl.store(t_ptr + (rows[:, None] * HV + h) * C + r[None, :], t, mask=ok[:, None])
-        tl.store(gb_ptr + (rows * HV + h) * 2, g, mask=ok)
-        tl.store(gb_ptr + (rows * HV + h) * 2 + 1, beta, mask=ok)
+        w = _dot(t, k * (beta * tl.exp(g))[:, None], DOT)
+        tl.store(qkw_at + 2 * DK, w.to(qkw_ptr.dtype.element_ty), mask=tile_ok)
+        for v0 in tl.static_range(0, DV, BV):  # U a column block at a time: v is [C, dv]
+            vv = v0 + tl.arange(0, BV)
+            v_ok = ok[:, None] & (vv < DV)[None, :]
+            v = tl.load(x_ptr + rows[:, None] * x_row + 2 * key_dim + h * DV + vv[None, :], mask=v_ok, other=0.0)
+            u = _dot(t, v.to(tl.float32) * beta[:, None], DOT)
+            tl.store(u_ptr + at[:, None] * DV + vv[None, :], u, mask=v_ok)
 
 
 @triton.jit
-def _chunk_gated_delta_rule_kernel(x_ptr, x_row, state_ptr, s_slot, slot_ptr, cu_ptr, init_ptr, t_ptr, gb_ptr,
-                                   out_ptr, scale, key_dim, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-                                   DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                                   DOT: tl.constexpr):
+def _chunk_gated_delta_rule_kernel(state_ptr, s_slot, slot_ptr, cu_ptr, init_ptr, qkw_ptr, u_ptr, aqk_ptr, g_ptr,
+                                   out_ptr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                                   BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr):
     """Value head h of one sequence, BV of its dv columns: the state tile in registers from the slot (zeros for a
-    fresh sequence) through the sequence's chunks, C tokens a step (transformers' torch_chunk_gated_delta_rule):
-    W = T (beta exp(g) k), U = T (beta v); V' = U - W S; O = (exp(g) q) S + causal(q k^T exp(g_i - g_j)) V';
-    S = exp(g_last) S + (exp(g_last - g) k)^T V'."""
+    fresh sequence) through the sequence's chunks, C tokens a step (transformers' torch_chunk_gated_delta_rule), from
+    _chunk_prepare_kernel's scratch: V' = U - W S; O = (scale exp(g) q) S + scores V';
+    S = exp(g_n) S + (exp(g_n - g) k)^T V'. Four products a chunk, each with the state or V'."""
     seq, h, kk, vv, k_ok, v_ok, s_at, s_ok = _state_tile(state_ptr, s_slot, slot_ptr, HV, DK, DV, BK, BV)
     s = tl.load(s_at, mask=s_ok, other=0.0).to(tl.float32)
     s = tl.where(tl.load(init_ptr + seq).to(tl.int32) == 0, 0.0, s)  # a fresh sequence starts from zeros
-    kh = h // (HV // HK)
     r = tl.arange(0, C)
     end = tl.load(cu_ptr + seq + 1)
     for first in range(tl.load(cu_ptr + seq), end, C):
         rows = first + r
-        ok = rows < end
-        g = tl.load(gb_ptr + (rows * HV + h) * 2, mask=ok, other=0.0)
-        beta = tl.load(gb_ptr + (rows * HV + h) * 2 + 1, mask=ok, other=0.0)
-        g_last = tl.sum(tl.where(r == tl.minimum(end - first, C) - 1, g, 0.0), 0)
-        t = tl.load(t_ptr + (rows[:, None] * HV + h) * C + r[None, :], mask=ok[:, None], other=0.0)
-        k = _unit_rows(x_ptr + key_dim + kh * DK, x_row, rows, ok, kk, k_ok)
-        v = tl.load(x_ptr + rows[:, None] * x_row + 2 * key_dim + h * DV + vv[None, :],
-                    mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.dot(t, k * (beta * tl.exp(g))[:, None], input_precision=DOT)
-        v_new = tl.dot(t, v * beta[:, None], input_precision=DOT) - tl.dot(w, s, input_precision=DOT)
-        q = _unit_rows(x_ptr + kh * DK, x_row, rows, ok, kk, k_ok) * scale
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT)
-        causal = (r[:, None] >= r[None, :]) & ok[:, None]  # rows past the end hold g = 0: no exponent for them
-        qk = tl.where(causal, qk * tl.exp(tl.where(causal, g[:, None] - g[None, :], 0.0)), 0.0)
-        o = tl.dot(q * tl.exp(g)[:, None], s, input_precision=DOT) + tl.dot(qk, v_new, input_precision=DOT)
-        tl.store(out_ptr + (rows[:, None] * HV + h) * DV + vv[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=ok[:, None] & v_ok[None, :])
-        s = s * tl.exp(g_last) + tl.dot(tl.trans(k * tl.exp(g_last - g)[:, None]), v_new, input_precision=DOT)
+        ok = rows < end  # rows past the end read zeros
+        at = rows * HV + h
+        tile_ok, out_ok = ok[:, None] & k_ok[None, :], ok[:, None] & v_ok[None, :]
+        qkw_at = qkw_ptr + at[:, None] * (3 * DK) + kk[None, :]
+        g_last = tl.load(g_ptr + (tl.minimum(end, first + C) - 1) * HV + h)
+        v_new = tl.load(u_ptr + at[:, None] * DV + vv[None, :], mask=out_ok, other=0.0) - \
+            _dot(tl.load(qkw_at + 2 * DK, mask=tile_ok, other=0.0), s, DOT)
+        aqk = tl.load(aqk_ptr + at[:, None] * C + r[None, :], mask=ok[:, None], other=0.0)
+        o = _dot(tl.load(qkw_at, mask=tile_ok, other=0.0), s, DOT) + _dot(aqk, v_new, DOT)
+        tl.store(out_ptr + at[:, None] * DV + vv[None, :], o.to(out_ptr.dtype.element_ty), mask=out_ok)
+        s = s * tl.exp(g_last) + _dot(tl.trans(tl.load(qkw_at + DK, mask=tile_ok, other=0.0)), v_new, DOT)
     tl.store(s_at, s.to(state_ptr.dtype.element_ty), mask=s_ok)
 
 
@@ -359,23 +393,30 @@ def chunk_gated_delta_rule(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tenso
                            has_initial_state: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
                            scale: float | None = None) -> torch.Tensor:
     """gated_delta_rule_prefill's contract in the chunked form, two launches: every chunk of every sequence and
-    head solves its triangular system at once (DELTA_CHUNK tokens, fp32 scratch of T x Hv x (DELTA_CHUNK + 2)
-    floats), then each sequence's programs carry the state through its chunks, a chunk's tokens together in
-    matrix products. Without a host sync: the first launch's grid covers ceil(T / DELTA_CHUNK) chunks of every
-    sequence, and those past a sequence's end return at once."""
-    _check_layout("chunk_gated_delta_rule", x, ba, states, head_k_dim, head_v_dim)  # before the solve reads x, ba
+    head prepares at once what does not depend on the state (DELTA_CHUNK tokens; scratch of T x Hv x (3 dk +
+    DELTA_CHUNK) values in the products' dtype and T x Hv x (dv + 1) floats), then each sequence's programs carry
+    the state through its chunks, a chunk's tokens together in matrix products. Without a host sync: the first
+    launch's grid covers ceil(T / DELTA_CHUNK) chunks of every sequence, and those past a sequence's end return."""
+    _check_layout("chunk_gated_delta_rule", x, ba, states, head_k_dim, head_v_dim)
     tokens, num_v_heads = x.shape[0], ba.shape[1] // 2
     batch = cu_seqlens.numel() - 1
-    t_buf = torch.empty(tokens, num_v_heads, DELTA_CHUNK, dtype=torch.float32, device=x.device)
-    gb_buf = torch.empty(tokens, num_v_heads, 2, dtype=torch.float32, device=x.device)
+    dot = delta_dot(x.dtype)
+    low = torch.float32 if dot == "tf32x3" else torch.bfloat16  # what the products round their operands to
+    qkw = torch.empty(tokens, num_v_heads, 3, head_k_dim, dtype=low, device=x.device)
+    aqk = torch.empty(tokens, num_v_heads, DELTA_CHUNK, dtype=low, device=x.device)
+    u = torch.empty(tokens, num_v_heads, head_v_dim, dtype=torch.float32, device=x.device)
+    g = torch.empty(tokens, num_v_heads, dtype=torch.float32, device=x.device)
+    out = torch.empty(tokens, num_v_heads, head_v_dim, dtype=x.dtype, device=x.device)
     if tokens and batch:
-        _chunk_solve_kernel[(batch, triton.cdiv(tokens, DELTA_CHUNK), num_v_heads)](
-            x, x.stride(0), ba, ba.stride(0), a_log, dt_bias, cu_seqlens, t_buf, gb_buf, num_k_heads * head_k_dim,
-            HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, BK=_pow2(head_k_dim), C=DELTA_CHUNK,
-            DOT=DELTA_DOT, num_warps=DELTA_WARPS)
-    return _delta_rule(_chunk_gated_delta_rule_kernel, batch, x, ba, (), states,
-                       (state_indices, cu_seqlens, has_initial_state, t_buf, gb_buf), num_k_heads, head_k_dim,
-                       head_v_dim, scale, C=DELTA_CHUNK, DOT=DELTA_DOT, num_warps=DELTA_WARPS)
+        block_k, block_v = _pow2(head_k_dim), min(STATE_BLOCK_V, _pow2(head_v_dim))
+        shape = dict(HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=block_k, BV=block_v, C=DELTA_CHUNK, DOT=dot,
+                     num_warps=DELTA_WARPS)
+        _chunk_prepare_kernel[(batch, triton.cdiv(tokens, DELTA_CHUNK), num_v_heads)](
+            x, x.stride(0), ba, ba.stride(0), a_log, dt_bias, cu_seqlens, qkw, u, aqk, g,
+            head_k_dim ** -0.5 if scale is None else scale, num_k_heads * head_k_dim, HK=num_k_heads, **shape)
+        _chunk_gated_delta_rule_kernel[(batch * num_v_heads, triton.cdiv(head_v_dim, block_v))](
+            states, states.stride(0), state_indices, cu_seqlens, has_initial_state, qkw, u, aqk, g, out, **shape)
+    return out
 
 
 @triton.jit

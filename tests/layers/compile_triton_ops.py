@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -31,15 +32,18 @@ PAGED = dict(q_ptr="*{x}", q_row="i32", k_ptr="*{s}", v_ptr="*{s}", c_block="i32
 CONV_PREFILL = dict(CONV, cu_ptr="*i64", init_ptr="*i1")
 GDN_PREFILL = dict(GDN, cu_ptr="*i64", init_ptr="*i1")
 REDUCE = dict(part_ptr="*fp32", out_ptr="*{x}", o_row="i32", splits="i32")
-CHUNK_SOLVE = dict(x_ptr="*{x}", x_row="i32", ba_ptr="*{x}", ba_row="i32", a_log_ptr="*{x}", dt_bias_ptr="*{x}",
-                   cu_ptr="*i64", t_ptr="*fp32", gb_ptr="*fp32", key_dim="i32")
-CHUNK_SCAN = dict(x_ptr="*{x}", x_row="i32", state_ptr="*{s}", s_slot="i32", slot_ptr="*i64", cu_ptr="*i64",
-                  init_ptr="*i1", t_ptr="*fp32", gb_ptr="*fp32", out_ptr="*{x}", scale="fp32", key_dim="i32")
-CHUNKED = dict(C=ops.DELTA_CHUNK, DOT=ops.DELTA_DOT, num_warps=ops.DELTA_WARPS)  # num_warps: a launch option
+CHUNK_SCRATCH = dict(qkw_ptr="*{p}", u_ptr="*fp32", aqk_ptr="*{p}", g_ptr="*fp32")  # p: the products' operands
+CHUNK_PREPARE = dict(x_ptr="*{x}", x_row="i32", ba_ptr="*{x}", ba_row="i32", a_log_ptr="*{x}", dt_bias_ptr="*{x}",
+                     cu_ptr="*i64", **CHUNK_SCRATCH, scale="fp32", key_dim="i32")
+CHUNK_SCAN = dict(state_ptr="*{s}", s_slot="i32", slot_ptr="*i64", cu_ptr="*i64", init_ptr="*i1", **CHUNK_SCRATCH,
+                  out_ptr="*{x}")
+# num_warps: a launch option; DOT (None here) follows the activations' dtype, as chunk_gated_delta_rule picks it
+CHUNKED = dict(C=ops.DELTA_CHUNK, DOT=None, num_warps=ops.DELTA_WARPS)
 # Qwen3.5-0.8B and -27B (shared/reference): Gated DeltaNet heads (key, value) x 128, attention heads (q, kv) x 256.
 # Each in the dtypes it meets: (activations, state or cache) of a bf16 model, an fp32 one, and the mixed one (a bf16
 # model's fp32 recurrent state; an fp32 model's --kv-cache-dtype bfloat16).
 SAME = [("bf16", "bf16"), ("fp32", "fp32")]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 VARIANTS = [
     ("conv", ops._conv1d_decode_kernel, CONV, dict(WIDTH=3, SILU=True, BLOCK_C=ops.CONV_BLOCK), SAME),
     ("gdn-0.8b", ops._gated_delta_rule_decode_kernel, GDN,
@@ -49,11 +53,12 @@ VARIANTS = [
     ("conv-prefill", ops._conv1d_prefill_kernel, CONV_PREFILL, dict(SILU=True, BLOCK_C=ops.CONV_BLOCK), SAME),
     ("gdn-prefill", ops._gated_delta_rule_prefill_kernel, GDN_PREFILL,
      dict(HK=16, HV=16, DK=128, DV=128, BK=128, BV=ops.STATE_BLOCK_V), SAME + [("bf16", "fp32")]),
-    ("chunk-solve", ops._chunk_solve_kernel, CHUNK_SOLVE, dict(HK=16, HV=16, DK=128, BK=128, **CHUNKED), SAME),
+    ("chunk-prepare", ops._chunk_prepare_kernel, CHUNK_PREPARE,
+     dict(HK=16, HV=16, DK=128, DV=128, BK=128, BV=ops.STATE_BLOCK_V, **CHUNKED), SAME),
     ("chunk-scan-0.8b", ops._chunk_gated_delta_rule_kernel, CHUNK_SCAN,
-     dict(HK=16, HV=16, DK=128, DV=128, BK=128, BV=ops.STATE_BLOCK_V, **CHUNKED), SAME + [("bf16", "fp32")]),
+     dict(HV=16, DK=128, DV=128, BK=128, BV=ops.STATE_BLOCK_V, **CHUNKED), SAME + [("bf16", "fp32")]),
     ("chunk-scan-27b", ops._chunk_gated_delta_rule_kernel, CHUNK_SCAN,
-     dict(HK=16, HV=48, DK=128, DV=128, BK=128, BV=ops.STATE_BLOCK_V, **CHUNKED), [("bf16", "fp32")]),
+     dict(HV=48, DK=128, DV=128, BK=128, BV=ops.STATE_BLOCK_V, **CHUNKED), [("bf16", "fp32")]),
     ("paged-0.8b", ops._paged_decode_kernel, PAGED, dict(GROUP=4, BG=16, D=256, BD=256, BLOCK=16, PARTIAL=False),
      SAME + [("fp32", "bf16")]),
     ("paged-27b", ops._paged_decode_kernel, PAGED, dict(GROUP=6, BG=16, D=256, BD=256, BLOCK=16, PARTIAL=False),
@@ -78,8 +83,11 @@ def resources(cubin: bytes) -> dict:
 
 def compile_one(kernel, types: dict, constexprs: dict, x: str, s: str, arch: int) -> dict:
     constexprs = dict(constexprs)
+    if "DOT" in constexprs:
+        constexprs["DOT"] = ops.delta_dot(DTYPES[x])
     options = {"num_warps": constexprs.pop("num_warps")} if "num_warps" in constexprs else {}  # a launch option
-    signature = {name: t.format(x=x, s=s) for name, t in types.items()} | {name: "constexpr" for name in constexprs}
+    p = "fp32" if x == "fp32" else "bf16"  # the chunked delta rule's scratch, as chunk_gated_delta_rule allocates it
+    signature = {name: t.format(x=x, s=s, p=p) for name, t in types.items()} | {name: "constexpr" for name in constexprs}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", arch, 32), options=options)
     return resources(compiled.asm["cubin"]) | {"num_warps": compiled.metadata.num_warps}

@@ -285,7 +285,9 @@ def test_kernels_compile_for_ampere_and_hopper(tmp_path):
     assert len(rows) == 2 * sum(len(dtypes) for *_, dtypes in VARIANTS) > 30
     assert all("error" not in r for r in rows), [r for r in rows if "error" in r]
     assert all(0 < r["regs"] <= 255 for r in rows), rows
-    # no spills to local memory, but in the chunked delta rule's two kernels (see triton_ops.DELTA_DOT); and theirs
-    # stay what they were when written (up to ~17 KB a thread on sm_80, ~3.4 KB on sm_90), not worse
+    # no spills to local memory, but in the chunked delta rule's two kernels (see triton_ops.delta_dot): theirs stay
+    # what they were when written, not worse: under 1 KB a thread on bf16 operands; on fp32 ones up to ~10 KB on
+    # sm_80, ~1.3 KB on sm_90
     assert all(r["stack"] == 0 for r in rows if not r["kernel"].startswith("chunk-")), rows
-    assert all(r["stack"] <= (20000 if r["arch"] == 80 else 4096) for r in rows), rows
+    assert all(r["stack"] <= 1024 for r in rows if r["dtypes"].startswith("bf16")), rows
+    assert all(r["stack"] <= (12288 if r["arch"] == 80 else 1536) for r in rows), rows
