@@ -34,9 +34,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     decode_token_idx: torch.Tensor | None  # [Bd] rows of the single-token requests
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] their block tables (padded with block 0)
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] bool, False past the context
     decode_context_lens: torch.Tensor | None  # [Bd] int64 tokens each decode attends to (its new one included)
     prefills: list[PrefillSeq]
+    # The gathered decode's length mask [Bd, 1, 1, max_blocks * block_size] (False past the context): made by the
+    # first layer that gathers (the kernels that read blocks in place need none), inside the forward, so a captured
+    # decode graph records it; reused by the other layers.
+    decode_mask: torch.Tensor | None = None
     # Scratch for the decode block gather [2, Bd * max_blocks, block_size, Hk, D]: allocated by the
     # first attention layer of the step, reused by the others. A fresh buffer per layer (10-100 MB at
     # batch 64) spent more time faulting in new pages than copying (benchmarks/probe_decode_attention.py).
@@ -164,6 +167,9 @@ def _decode(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[-2]
     kv = _gather_decode_blocks(kv_cache, meta).to(q.dtype)  # [2, Bd, T, Hk, D]
+    if meta.decode_mask is None:
+        span = torch.arange(kv.shape[2], device=q.device)
+        meta.decode_mask = (span[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(q.reshape(num_decodes, num_kv_heads, -1, head_dim),
                                          kv[0].transpose(1, 2), kv[1].transpose(1, 2),
                                          attn_mask=meta.decode_mask, scale=scale)
@@ -208,17 +214,14 @@ def build_attention_metadata(query_lens: np.ndarray, start_positions: np.ndarray
         tables[i, :len(table)] = table
     req_of_token = np.repeat(np.arange(num_reqs), query_lens)
     slots = tables[req_of_token, positions // block_size] * block_size + positions % block_size
-    meta = AttentionMetadata(torch.from_numpy(slots).to(device), None, None, None, None, [])
+    meta = AttentionMetadata(torch.from_numpy(slots).to(device), None, None, None, [])
     context_lens = start_positions + query_lens
     is_decode = query_lens == 1
     if is_decode.any():
         rows = (np.cumsum(query_lens) - query_lens)[is_decode]
         decode_tables = tables[is_decode, :int(-(-context_lens[is_decode].max() // block_size))]
-        span = np.arange(decode_tables.shape[1] * block_size)
-        mask = span[None, :] < context_lens[is_decode][:, None]
         meta.decode_token_idx = torch.from_numpy(rows).to(device)
         meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(decode_tables)).to(device)
-        meta.decode_mask = torch.from_numpy(mask)[:, None, None, :].to(device)
         meta.decode_context_lens = torch.from_numpy(context_lens[is_decode]).to(device)
     row = 0
     for i in range(num_reqs):

@@ -4,14 +4,15 @@ On a GPU a decode step of a small model is bound by the host: one Qwen3.5-0.8B-s
 ~45 ms at ~20 us each on an H200, where its weights take 0.4 ms to read (BENCHMARKS.md, run 99). A captured graph
 replays all of a step's kernels in one call.
 
-A graph is captured per (batch bucket, block bucket): the step's decode count rounded up to the next capture size,
-and the blocks of its longest context rounded up to a power of two (capped at max_model_len's). Everything the forward
+A graph is captured per (batch bucket, block bucket): the step's decode count rounded up to the next capture size, and
+the blocks of its longest context rounded up to a power of two (capped at max_model_len's). Everything the forward
 reads lives in static buffers that each step overwrites in place: token ids, positions, the KV slot of each new token,
-block tables, context lengths, the decode attention's length mask and the state slots. Rows past the step's decodes
-(padding) read and write scratch: one KV block and one state slot the runner allocates beyond the pools' managed ones,
-so they never touch a request's cache. Graphs are captured on first use, after two warm-up passes on a side stream
-(torch.compile and library handles settle there), with every row pointed at scratch so that warm-up leaves no
-request's cache changed; all graphs share one memory pool (each step reads its graph's output before another replays).
+block tables, context lengths and the state slots (the decode attention's length mask, where one is needed, is made
+from the context lengths inside the forward). Rows past the step's decodes (padding) read and write scratch: one KV
+block and one state slot the runner allocates beyond the pools' managed ones, so they never touch a request's cache.
+Graphs are captured on first use, after two warm-up passes on a side stream (torch.compile and library handles settle
+there), with every row pointed at scratch so that warm-up leaves no request's cache changed; all graphs share one
+memory pool (each step reads its graph's output before another replays).
 
 Only pure decode steps take a graph (every scheduled request has one new token and a cached context); prefill and
 mixed steps, batches above the largest capture size, and models whose forward reads values back to the host (MoE
@@ -85,8 +86,6 @@ class DecodeGraphs:
             self._staged[:5 * rows].view(5, rows)
         self.tables = self._staged[5 * rows:]
         self.rows = torch.arange(rows, **long)
-        self._span = torch.arange(self.max_blocks * self.block_size, **long)
-        self.mask = torch.zeros(rows * self.max_blocks * self.block_size, dtype=torch.bool, device=device)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, blocks) -> (graph or None, output)
         self._pool = None
         self.num_replays = 0
@@ -139,8 +138,6 @@ class DecodeGraphs:
             ids[4, :n] = [s.state_slot for s in scheduled]
         used = 5 * size + rows * blocks  # the ids of every row (rows past the bucket unread) and the bucket's table
         self._staged[:used].copy_(torch.from_numpy(self._host[:used]))
-        torch.lt(self._span[None, :blocks * bs], self.context_lens[:rows, None],
-                 out=self.mask[:rows * blocks * bs].view(rows, -1))
 
     def _fill_scratch(self, rows: int, blocks: int) -> None:
         """Every row of a bucket on scratch (for warm-up and capture, which must change no request's cache): a step
@@ -149,10 +146,9 @@ class DecodeGraphs:
 
     def _forward(self, rows: int, blocks: int) -> torch.Tensor:
         """The model over a bucket's static buffers (what a graph records)."""
-        runner, bs = self.runner, self.block_size
+        runner = self.runner
         meta = AttentionMetadata(self.kv_slots[:rows], self.rows[:rows], self.tables[:rows * blocks].view(rows, blocks),
-                                 self.mask[:rows * blocks * bs].view(rows, 1, 1, blocks * bs), self.context_lens[:rows],
-                                 [])
+                                 self.context_lens[:rows], [])
         if runner.state_caches is None:
             return runner.model(self.input_ids[:rows], self.positions[:rows], runner.kv_caches, meta)
         from ascendserve.worker.model_runner import StateMetadata  # model_runner imports this module
