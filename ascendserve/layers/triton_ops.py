@@ -23,6 +23,9 @@ from ascendserve.layers.gated_deltanet import conv_uses_silu
 
 CONV_BLOCK = 128  # channels per conv program
 STATE_BLOCK_V = 32  # value columns of the recurrent state per program: a [dk, 32] fp32 tile (dk 128: 16 KiB)
+# Every launch's compile options: multiplies and adds fused into FMAs, Triton 3.9's default, asked for by name: its
+# 3.10 turns the default off, and 3.9 warns on each process's first compile where nothing says which.
+LAUNCH_OPTIONS = dict(enable_fp_fusion=True)
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -74,7 +77,7 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
         grid = (batch, triton.cdiv(channels, CONV_BLOCK))
         _conv1d_decode_kernel[grid](x, x.stride(0), weight, weight.stride(0), conv_states, conv_states.stride(0),
                                     conv_states.stride(1), conv_states.stride(2), state_indices, out, channels,
-                                    WIDTH=weight.shape[1] - 1, SILU=silu, BLOCK_C=CONV_BLOCK)
+                                    WIDTH=weight.shape[1] - 1, SILU=silu, BLOCK_C=CONV_BLOCK, **LAUNCH_OPTIONS)
     return out
 
 
@@ -165,7 +168,7 @@ def _delta_rule(kernel, rows: int, x, ba, gate_args: tuple, states, slot_args: t
             x, x.stride(0), *gate_args, states, states.stride(0), *slot_args, out,
             head_k_dim ** -0.5 if scale is None else scale, num_k_heads * head_k_dim,
             HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=_pow2(head_k_dim), BV=block_v,
-            **constexprs)
+            **constexprs, **LAUNCH_OPTIONS)
     return out
 
 
@@ -230,7 +233,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_states: to
         _conv1d_prefill_kernel[(batch, triton.cdiv(channels, CONV_BLOCK))](
             x, x.stride(0), weight, weight.stride(0), conv_states, conv_states.stride(0), conv_states.stride(1),
             conv_states.stride(2), state_indices, cu_seqlens, has_initial_state, out, channels,
-            SILU=silu, BLOCK_C=CONV_BLOCK)
+            SILU=silu, BLOCK_C=CONV_BLOCK, **LAUNCH_OPTIONS)
     return out
 
 
@@ -410,7 +413,7 @@ def chunk_gated_delta_rule(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tenso
     if tokens and batch:
         block_k, block_v = _pow2(head_k_dim), min(STATE_BLOCK_V, _pow2(head_v_dim))
         shape = dict(HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=block_k, BV=block_v, C=DELTA_CHUNK, DOT=dot,
-                     num_warps=DELTA_WARPS)
+                     num_warps=DELTA_WARPS, **LAUNCH_OPTIONS)
         _chunk_prepare_kernel[(batch, triton.cdiv(tokens, DELTA_CHUNK), num_v_heads)](
             x, x.stride(0), ba, ba.stride(0), a_log, dt_bias, cu_seqlens, qkw, u, aqk, g,
             head_k_dim ** -0.5 if scale is None else scale, num_k_heads * head_k_dim, HK=num_k_heads, **shape)
@@ -544,8 +547,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     _paged_decode_kernel[(batch, num_kv_heads, splits)](
         q, q.stride(0), kv_cache[0], kv_cache[1], kv_cache.stride(1), kv_cache.stride(2), block_tables,
         block_tables.stride(0), context_lens, out, out.stride(0), part, split_blocks, scale, GROUP=group,
-        BG=_pow2(group), D=head_dim, BD=_pow2(head_dim), BLOCK=block_size, PARTIAL=splits > 1)
+        BG=_pow2(group), D=head_dim, BD=_pow2(head_dim), BLOCK=block_size, PARTIAL=splits > 1, **LAUNCH_OPTIONS)
     if splits > 1:
         _paged_decode_reduce_kernel[(batch, num_heads)](part, out, out.stride(0), splits, D=head_dim,
-                                                        BD=_pow2(head_dim))
+                                                        BD=_pow2(head_dim), **LAUNCH_OPTIONS)
     return out

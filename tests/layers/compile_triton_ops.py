@@ -85,7 +85,9 @@ def compile_one(kernel, types: dict, constexprs: dict, x: str, s: str, arch: int
     constexprs = dict(constexprs)
     if "DOT" in constexprs:
         constexprs["DOT"] = ops.delta_dot(DTYPES[x])
-    options = {"num_warps": constexprs.pop("num_warps")} if "num_warps" in constexprs else {}  # a launch option
+    options = dict(ops.LAUNCH_OPTIONS)  # as the launches ask
+    if "num_warps" in constexprs:  # a launch option too
+        options["num_warps"] = constexprs.pop("num_warps")
     p = "fp32" if x == "fp32" else "bf16"  # the chunked delta rule's scratch, as chunk_gated_delta_rule allocates it
     signature = {name: t.format(x=x, s=s, p=p) for name, t in types.items()} | {name: "constexpr" for name in constexprs}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
