@@ -29,6 +29,11 @@ AVX512-BF16, ms per call for SmolLM2's gate_up 3072x576:
     fewer bytes.
 The output always has the input's (model) dtype.
 
+int8 on a CPU with the C++ kernels, fp32 or bf16 model: `GridInt8Linear` instead, W ~= d * q per block of 32 inputs
+(GGUF Q8_0's grid, 1.125 bytes a weight) on csrc/q8_linear_cpu.cpp's tiles; in a bf16 model on vdpbf16ps at every
+batch size. torch's int8 kernel, which `--quantization int8` took until session 34, was slower than the unquantized
+bf16 tile there from one row on (see GridInt8Linear; a layer it cannot take, K not a multiple of 32, keeps it).
+
 int4 on a CPU with the C++ kernels (AVX-512 or AVX2 tiles), fp32 or bf16 model: `GridInt4Linear` instead (a bf16
 model's int4 layers took torch's kernel until session 21: 1.5-3x slower, see GridInt4Linear), W ~= d * q + m per
 group of GRID_GROUP inputs with fp32 d and m, kept in the 4-bit panel layout of csrc/q4_linear_cpu.cpp (the kernel
@@ -48,8 +53,8 @@ import functools
 import torch
 from torch import nn
 
-from ascendserve.layers.compact_linear import (KernelLinear, Q4Panels, a8_tile_name, pack_q4, round_to_grid,
-                                               tile_kernels)
+from ascendserve.layers.compact_linear import (Q8_GROUP, KernelLinear, Q4Panels, a8_tile_name, pack_q4, pack_q8,
+                                               round_to_grid, tile_kernels)
 from ascendserve.layers.linear import dense_linear
 from ascendserve.logger import init_logger
 
@@ -66,6 +71,9 @@ INT4_BLOCK_NS = (64, 32)  # rows the CPU int4 pack interleaves: 64 on AVX-512, 3
 GRID_GROUP = 64  # inputs per (d, m) block of GridInt4Linear; 32 where 64 does not divide K
 # By the tiles' fp32 lanes (16: AVX-512, 8: AVX2): above, dequantize for the call and use the dense GEMM.
 GRID_KERNEL_MAX_ROWS = {16: 256, 8: 96}
+# GridInt8Linear in an fp32 model: above, the weight dequantized for the call + the dense GEMM (int8's crossover
+# with torch's kernel, INT_KERNEL_MAX_ROWS; not re-measured for q8_linear, whose 6-row fp32 tile Q8Linear runs to 24)
+INT8_GRID_KERNEL_MAX_ROWS = 32
 
 
 class WeightOnlyLinear(nn.Module):
@@ -223,6 +231,77 @@ class GridInt4Linear(Q4Panels, KernelLinear):
         return super().extra_repr() + f", group_size={self.group_size}{rows}{out}"
 
 
+def q8_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], d fp32 [N, K / Q8_GROUP]): W ~= d * q per block of Q8_GROUP inputs, d = the block's largest
+    magnitude / 127, q = round(W / d) (GGUF Q8_0's rule; an all-zero block gets d = 0, q = 0)."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // Q8_GROUP, Q8_GROUP)
+    d = blocks.abs().amax(-1) / 127
+    q = (blocks / torch.where(d == 0, torch.ones_like(d), d)[..., None]).round_().clamp_(-127, 127)
+    return q.to(torch.int8).reshape(n, k), d
+
+
+class GridInt8Linear(KernelLinear):
+    """int8 on CPU: W ~= d * q per block of Q8_GROUP inputs, q in -127..127 and an fp32 d (q8_grid), kept in the
+    8-bit panel layout of csrc/q8_linear_cpu.cpp (the kernel a Q8_0 GGUF's layers use, Q8Linear) and multiplied with
+    fp32 sums. 1.125 bytes a weight. A bf16 layer (a model run in bf16, `bf16_io`): q8_linear_bf16x for every batch,
+    bf16 x on the same panels (vdpbf16ps where the CPU has AVX512-BF16: q exact in bf16, exact products, fp32 sums),
+    rounded to bf16 once unless fp32_out (the lm_head, and the layers a model names in its `fp32_output_linears`,
+    as GridInt4Linear). An fp32 layer: q8_linear up to max_rows rows, larger batches the weight dequantized for the
+    call + the dense GEMM (no dense copy is kept; the fp32 tile widens each byte per tile of rows). Measured on a
+    Zen 4 (AVX512-BF16, 2 threads, weights from DRAM, `benchmarks/probe_bf16_linear.py --shapes qwen --variants
+    bf16x,q8,q8bf16x,i8torch,q4bf16x`, median ms a call) q8_linear_bf16x / q8_linear on fp32 x / torch's
+    _weight_int8pack_mm on bf16 x (what `--quantization int8` ran before, per-channel scales) / the unquantized bf16
+    tile:
+          shape (N x K)          M=1                     M=8                     M=64                    M=2048
+          Qwen3.5 8192x1024      0.17/0.30/0.56/0.48     0.33/0.85/1.47/0.57     2.86/5.99/7.53/2.50     90.3/191/225/79.6
+          Qwen3.5 1024x3584      0.08/0.13/0.18/0.21     0.14/0.38/0.47/0.21     1.23/2.56/2.98/1.10     38.3/81.6/91.8/33.9
+          Qwen3.5 248320x1024    6.20/6.26/16.5/9.41     10.6/24.1/50.7/12.1     88.5/182/367/76.7       2771/5780/11225/2412
+    """
+
+    weight_format = f"int8 grid per {Q8_GROUP} inputs"
+
+    def __init__(self, linear: nn.Linear, kernels, max_rows: int | None = None, fp32_out: bool = False) -> None:
+        super().__init__(linear, kernels)
+        self.bf16_io = linear.weight.dtype == torch.bfloat16
+        self.fp32_out = fp32_out and self.bf16_io
+        self.max_rows = INT8_GRID_KERNEL_MAX_ROWS if max_rows is None else max_rows
+        if self.bf16_io:
+            self.max_rows = 1 << 62  # one kernel for every batch
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        if self.bias is not None and self.bf16_io:
+            self.register_buffer("bias_fp32", self.bias.detach().float(), persistent=False)
+        q, scales = pack_q8(*q8_grid(linear.weight.detach()))
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+
+    @staticmethod
+    def supports(linear: nn.Linear) -> bool:
+        """An fp32 or bf16 CPU layer with in_features a multiple of Q8_GROUP, on a CPU where the kernels built."""
+        weight = linear.weight
+        return (weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
+                and linear.in_features % Q8_GROUP == 0 and tile_kernels() is not None)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.bf16_io:
+            return self.kernels.q8_linear(x, self.q, self.scales, self.out_features, self.bias)
+        bias = self.bias_fp32 if self.bias is not None else None
+        return self.kernels.q8_linear_bf16x(x, self.q, self.scales, self.out_features, bias, not self.fp32_out)
+
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.dequantize(), self.bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense fp32 [N, K] weight this layer multiplies by."""
+        weight = self.q.float() * self.scales.repeat_interleave(Q8_GROUP, dim=1)  # [N/32, K, 32]
+        return weight.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features]
+
+    def extra_repr(self) -> str:
+        rows = "" if self.bf16_io else f", kernel up to {self.max_rows} rows"
+        out = ", fp32 out" if self.fp32_out else ""
+        return super().extra_repr() + rows + out
+
+
 def _unpack_int4(packed: torch.Tensor, n: int, k: int, block_n: int | None = None) -> torch.Tensor:
     """q [N, K] (uint8, 0..15) from `_convert_weight_to_int4pack_for_cpu`'s layout (torch 2.13, x86).
 
@@ -278,6 +357,10 @@ def quantize_model_(model: nn.Module, method: str, int8_activations: bool = Fals
                     layer.use_int8_activations()
                     a8 += 1
                 setattr(parent, name, layer)
+                quantized += 1
+            elif method == "int8" and GridInt8Linear.supports(child):
+                fp32_out = name == "lm_head" or name in getattr(parent, "fp32_output_linears", ())
+                setattr(parent, name, GridInt8Linear(child, tile_kernels(), rows, fp32_out=fp32_out))
                 quantized += 1
             elif WeightOnlyLinear.supports(child, method):
                 setattr(parent, name, WeightOnlyLinear(child, method, rows))

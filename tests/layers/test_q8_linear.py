@@ -1,10 +1,12 @@
 """Q8Linear: weights on an 8-bit grid (dequantized Q8_0, like the demo's tied lm_head) kept as 8-bit,
-multiplied in fp32 by the C++ kernel."""
+multiplied in fp32 by the C++ kernel; and the same panels times bf16 x (q8_linear_bf16x, --quantization int8 in a
+bf16 model)."""
 
 import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ascendserve.layers import compact_linear
@@ -116,3 +118,50 @@ def test_compact_weights_switch_keeps_the_q8_layer_fp32(monkeypatch):
     model = nn.Sequential(_grid_linear(64, 64, False))
     assert prepack_linears_(model)["q8"] == 0
     assert not isinstance(model[0], Q8Linear)
+
+
+# -- bf16 activations (a model run in bf16 with --quantization int8): q8_linear_bf16x ------------------------
+BF16X_ROWS = [1, 2, 3, 7, 12, 13, 25, 300]  # the split 1-2 row sums, the 12-row tile, several tiles
+
+
+@pytest.mark.parametrize("n,k,group", [(1, 32, 32), (40, 256, 32), (96, 96, 32), (200, 1536, 32), (33, 36, 6)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16x_kernel_is_the_fp32_kernel_on_the_same_bf16_input(kernels, n, k, group, bias):
+    """q in -127..127 is exact in bf16 and vdpbf16ps's products are exact: the fp32 sums of the fp32 kernel on the
+    widened input, in another order (group 6: an odd number of input pairs per block)."""
+    torch.manual_seed(n + k)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    d = torch.rand(n, k // group) * 0.01
+    b = torch.randn(n) if bias else None
+    packed = pack_q8(q, d)
+    weight = (q.double().view(n, -1, group) * d.double()[..., None]).view(n, k)
+    for rows in BF16X_ROWS:
+        x = (torch.randn(rows, k) * 2).bfloat16()
+        out = kernels.q8_linear_bf16x(x, *packed, n, b, False)
+        assert out.dtype == torch.float32 and out.shape == (rows, n)
+        ref = F.linear(x.double(), weight, None if b is None else b.double())
+        scale = F.linear(x.double().abs(), weight.abs(), None if b is None else b.double().abs())
+        assert ((out.double() - ref).abs() <= 1e-5 * scale).all(), rows
+        rounded = kernels.q8_linear_bf16x(x, *packed, n, b, True)
+        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())  # rounded once, to nearest
+        fp32_kernel = kernels.q8_linear(x.float(), *packed, n, b)
+        assert ((out - fp32_kernel).abs().double() <= 1e-5 * scale).all()
+
+
+def test_bf16x_rows_do_not_depend_on_their_batch(kernels):
+    """One kernel at every batch size, each row summed in one order: a row alone equals that row in any batch."""
+    packed = pack_q8(torch.randint(-127, 128, (96, 512), dtype=torch.int8), torch.rand(96, 16) * 0.01)
+    x = torch.randn(40, 512).bfloat16()
+    batch = kernels.q8_linear_bf16x(x, *packed, 96, None, True)
+    for rows in (slice(0, 1), slice(5, 7), slice(3, 16), slice(11, 40)):
+        assert torch.equal(kernels.q8_linear_bf16x(x[rows].contiguous(), *packed, 96, None, True), batch[rows])
+
+
+def test_bf16x_kernel_rejects_mismatched_inputs(kernels):
+    packed = pack_q8(torch.zeros(40, 64, dtype=torch.int8), torch.ones(40, 2))
+    with pytest.raises(RuntimeError, match="x must be a contiguous bf16"):
+        kernels.q8_linear_bf16x(torch.randn(3, 64), *packed, 40, None, True)
+    with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+        kernels.q8_linear_bf16x(torch.randn(3, 32).bfloat16(), *packed, 40, None, True)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous fp32"):
+        kernels.q8_linear_bf16x(torch.randn(3, 64).bfloat16(), *packed, 40, torch.zeros(40).bfloat16(), True)

@@ -15,7 +15,8 @@ from ascendserve.cli.serve import warn_no_effect_flags
 from ascendserve.config import EngineArgs
 from ascendserve.layers import quantization as q
 from ascendserve.layers.compact_linear import tile_kernels
-from ascendserve.layers.quantization import GridInt4Linear, WeightOnlyLinear, _unpack_int4, quantize_model_
+from ascendserve.layers.quantization import (GridInt4Linear, GridInt8Linear, WeightOnlyLinear, _unpack_int4,
+                                             quantize_model_)
 from tests.models.reference import make_prompts, randomize_
 from tests.models.qwen3_5_tiny import TEXT as QWEN_TEXT
 from tests.models.qwen3_5_tiny import randomize_ as qwen_randomize_
@@ -70,7 +71,8 @@ def test_quantize_model_swaps_linears_and_keeps_unsupported_shapes_dense(caplog,
     assert "int4" in caplog.text and "MiB" in caplog.text
 
 
-def test_lm_head_always_uses_the_kernel():
+def test_lm_head_always_uses_the_kernel(monkeypatch):
+    monkeypatch.setattr(q, "tile_kernels", lambda: None)  # torch's int8 kernel (no SIMD tiles)
     model = nn.Module()
     model.proj, model.lm_head = nn.Linear(64, 64), nn.Linear(64, 512, bias=False)
     quantize_model_(model, "int8")
@@ -131,10 +133,40 @@ def test_int4_on_fp32_cpu_layers_uses_the_grid_kernel_for_every_shape(grid_kerne
     assert "int4" in caplog.text
 
 
-def test_int8_models_keep_torch_kernels(grid_kernels):
-    model = nn.Sequential(nn.Linear(64, 64))
-    quantize_model_(model, "int8")
-    assert isinstance(model[0], WeightOnlyLinear)
+# -- int8 on the 8-bit grid kernel (csrc/q8_linear_cpu.cpp) --------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 7, 40])  # the kernel's tiles, then the dequantize path (above 32)
+def test_grid_int8_is_the_fp32_product_of_its_dequantized_weight(grid_kernels, rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=True)  # N=40: a padded 32-row panel
+    layer = GridInt8Linear(linear, grid_kernels)
+    assert layer.max_rows == q.INT8_GRID_KERNEL_MAX_ROWS and layer.scales.shape == (2, 3, 32)
+    weight = layer.dequantize()
+    # On the grid: each block of 32 inputs of a row is d * q with q in -127..127, d = (its largest magnitude) / 127,
+    # q rounded to nearest: within half a step of the original weight.
+    blocks = linear.weight.detach().reshape(40, 3, 32)
+    d = blocks.abs().amax(-1) / 127
+    steps = weight.reshape(40, 3, 32) / d[..., None]
+    assert (steps - steps.round()).abs().max() < 1e-3 and steps.round().abs().max() == 127
+    assert ((weight - linear.weight).abs().reshape(40, 3, 32) <= (d / 2)[..., None] * 1.0001).all()
+    x = torch.randn(rows, 96)
+    ref = F.linear(x.double(), weight.double(), linear.bias.double())
+    scale = F.linear(x.double().abs(), weight.double().abs(), linear.bias.double().abs())
+    assert ((layer(x).double() - ref).abs() <= 1e-5 * scale).all()
+
+
+def test_int8_on_cpu_layers_uses_the_grid_kernel(grid_kernels, caplog):
+    model = nn.Module()
+    model.proj, model.heads, model.lm_head = nn.Linear(64, 128), nn.Linear(128, 8), nn.Linear(64, 512, bias=False)
+    model.odd = nn.Linear(48, 16)  # in_features not a multiple of 32: torch's kernel
+    with caplog.at_level(logging.INFO):
+        stats = quantize_model_(model, "int8")
+    assert all(isinstance(m, GridInt8Linear) for m in (model.proj, model.heads, model.lm_head))
+    assert isinstance(model.odd, WeightOnlyLinear) and stats["quantized"] == 4
+    assert model.proj.max_rows == q.INT8_GRID_KERNEL_MAX_ROWS and model.lm_head.max_rows == q.LM_HEAD_KERNEL_MAX_ROWS
+    # 1.125 bytes a weight (fp32 d per 32 inputs; N padded to 32-row panels), biases fp32; torch's int8 layer a byte
+    # a weight and a bf16 scale per row
+    assert stats["bytes_after"] == (128 * 64 + 32 * 128 + 512 * 64) * 9 // 8 + (128 + 8 + 16) * 4 + 16 * 48 + 16 * 2
+    assert "int8" in caplog.text
 
 
 class _Bf16Block(nn.Module):
@@ -169,6 +201,25 @@ def test_int4_on_bf16_layers_uses_the_grid_kernel_with_bf16_io(grid_kernels, int
     assert "bf16 in and out" in repr(model.proj) and "fp32 out" in repr(model.lm_head)
 
 
+def test_int8_on_bf16_layers_uses_the_grid_kernel_with_bf16_io(grid_kernels):
+    torch.manual_seed(0)
+    model = _Bf16Block()
+    stats = quantize_model_(model, "int8")
+    assert all(isinstance(getattr(model, name), GridInt8Linear) for name in ("proj", "gates", "lm_head"))
+    assert isinstance(model.odd, WeightOnlyLinear) and stats["quantized"] == 4
+    assert model.proj.bf16_io and not model.proj.fp32_out and model.gates.fp32_out and model.lm_head.fp32_out
+    weight = model.proj.dequantize().double()
+    for rows in (1, 2, 13, 300):  # one kernel for every batch
+        x = torch.randn(rows, 64).bfloat16()
+        out = model.proj(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
+        ref = F.linear(x.double(), weight, model.proj.bias.double())
+        scale = F.linear(x.double().abs(), weight.abs(), model.proj.bias.double().abs())
+        assert ((out.double() - ref).abs() <= 2.0 ** -8 * scale + 1e-6).all(), rows  # rounded to bf16 once
+    assert model.gates(x).dtype == model.lm_head(x).dtype == torch.float32  # fp32 sums, not rounded
+    assert "bf16 in and out" in repr(model.proj) and "fp32 out" in repr(model.lm_head)
+
+
 # -- end to end: logprob drift of the greedy tokens against the unquantized engine ----------------------
 def _llama(path):
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -190,7 +241,8 @@ def _qwen3_5(path):
 # The engine's arguments per measured method (the reference: the unquantized fp32 engine).
 METHODS = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
            "int4+a8": {"quantization": "int4", "activation_quantization": "int8"},
-           "bf16": {"dtype": "bfloat16"}, "int4 bf16": {"dtype": "bfloat16", "quantization": "int4"}}
+           "bf16": {"dtype": "bfloat16"}, "int4 bf16": {"dtype": "bfloat16", "quantization": "int4"},
+           "int8 bf16": {"dtype": "bfloat16", "quantization": "int8"}}
 
 
 def _drift(path: str, method: str, prompts, reference) -> list[float]:
@@ -232,9 +284,9 @@ def drift(request, tmp_path_factory):
 def test_int8_drift_is_small_and_int4_bounded(drift):
     stats = {m: (sum(d) / len(d), max(d)) for m, d in drift.items()}
     print("logprob drift (mean, max):", stats)
-    # Measured (llama, qwen3_5): int8 mean 0.009, 0.013 (max 0.02, 0.04); int4 on the grid kernel (fp32
-    # models on an AVX-512 CPU) mean 0.10, 0.13 (max 0.24, 0.32); int4 on torch's kernel mean 0.11, 0.14
-    # (max 0.29, 0.46).
+    # Measured (llama, qwen3_5): int8 on the grid kernel (per 32 inputs) mean 0.008, 0.010 (max 0.02, 0.04), on
+    # torch's kernel (per row) 0.009, 0.013 (max 0.02, 0.04); int4 on the grid kernel (fp32 models on an AVX-512 CPU)
+    # mean 0.10, 0.13 (max 0.24, 0.32); int4 on torch's kernel mean 0.11, 0.14 (max 0.29, 0.46).
     assert stats["int8"][0] < 0.04 and stats["int8"][1] < 0.15
     assert stats["int4"][0] < 0.3 and stats["int4"][1] < 1.5
     assert stats["int8"][0] < stats["int4"][0]
@@ -249,14 +301,16 @@ def test_int8_activations_add_little_to_int4_drift(drift):
     assert a8 < 1.3 * int4 and max(drift["int4+a8"]) < 1.5
 
 
-def test_int4_in_bf16_drifts_about_as_int4_in_fp32(drift):
-    """--quantization int4 in a bf16 model: GridInt4Linear's bf16 kernel (q4_linear_bf16x). Its drift from the fp32
-    engine is about int4's in fp32 plus bf16's own."""
-    if "int4 bf16" not in drift:
-        pytest.skip("no CPU kernels with SIMD tiles here: int4 runs on torch's kernel")
-    mean = {m: sum(drift[m]) / len(drift[m]) for m in ("int4", "bf16", "int4 bf16")}
-    print("logprob drift, mean:", mean, "max, int4 in bf16:", max(drift["int4 bf16"]))
-    assert mean["int4 bf16"] < 1.3 * (mean["int4"] + mean["bf16"]) and max(drift["int4 bf16"]) < 1.5
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_quantized_bf16_drifts_about_as_in_fp32_plus_bf16(drift, method):
+    """--quantization int4 / int8 in a bf16 model: GridInt4Linear's / GridInt8Linear's bf16 kernels
+    (q4_linear_bf16x, q8_linear_bf16x). Their drift from the fp32 engine is about the method's in fp32 plus bf16's
+    own."""
+    if f"{method} bf16" not in drift:
+        pytest.skip("no CPU kernels with SIMD tiles here: int4 and int8 run on torch's kernels")
+    mean = {m: sum(drift[m]) / len(drift[m]) for m in (method, "bf16", f"{method} bf16")}
+    print("logprob drift, mean:", mean, f"max, {method} in bf16:", max(drift[f"{method} bf16"]))
+    assert mean[f"{method} bf16"] < 1.3 * (mean[method] + mean["bf16"]) and max(drift[f"{method} bf16"]) < 1.5
 
 
 # -- configuration and CLI ----------------------------------------------------------------------------

@@ -9,11 +9,13 @@
 //
 // Packed layout (ascendserve/layers/compact_linear.py, pack_q8): rows in panels of 32 (N padded with zero rows),
 // [N/32][K][32] int8: for input k, byte j = q[n][k] for the panel's row j; scales [N/32][K/G][32] fp32.
-// The tile is the 4-bit kernel's (q4_linear_cpu.cpp) with a byte per weight and no minimum.
+// The tile is the 4-bit kernel's (q4_linear_cpu.cpp) with a byte per weight and no minimum. q8_linear_bf16x
+// computes the same from bf16 x (a model run in bf16 with --quantization int8), see below.
 
 #include <torch/library.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "panel_linear.h"
 
@@ -207,11 +209,137 @@ at::Tensor q8_linear_portable(const at::Tensor& x, const at::Tensor& q, const at
   return linear(x, q, scales, n, bias, true);
 }
 
+// ---- bf16 activations (a model run in bf16 with --quantization int8) ----
+//
+// The same sums from bf16 x on vdpbf16ps (AVX512-BF16): per block of G inputs sum_k x[k] q[n,k], then d * that
+// in fp32. q (-127..127) is exact in bf16 and vdpbf16ps's products are exact with fp32 sums: the fp32 kernel's
+// arithmetic on the same (bf16) x, in another summation order. Per input pair a panel's 2 x 32 bytes become two
+// registers of weight pairs: each byte widened to fp32 (exact; a small integer's low 16 bits are zero, so its bf16
+// is its high half), the odd input's kept in place and the even one's shifted down into the low half: 16
+// instructions per 64 weights, for any number of rows; each row then adds 2 vdpbf16ps. As the 4-bit kernel's bf16
+// tile, one or two rows keep even and odd pairs in separate sums. Without AVX512-BF16, x is widened to fp32
+// (exact) and the fp32 tiles above multiply.
+
+#if defined(ASCENDSERVE_TILES_AVX512) && defined(__AVX512BF16__)
+#define ASCENDSERVE_Q8_DOT 1
+constexpr int kDotRows = 12;  // x rows per tile: 24 registers of block sums
+
+struct PairBf16 {
+  __m512bh w0, w1;  // outputs 0-15 / 16-31: (q[n][2kp], q[n][2kp+1]) as bf16 per lane
+};
+
+// bytes: input 2kp's 32 bytes (a panel's rows), then input 2kp + 1's.
+inline PairBf16 pair_bf16(const int8_t* bytes) {
+  _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchInputs * kPanel), _MM_HINT_T0);
+  auto widened = [&](int at) {
+    return _mm512_castps_si512(_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + at)))));
+  };
+  return {(__m512bh)_mm512_or_si512(widened(32), _mm512_srli_epi32(widened(0), 16)),
+          (__m512bh)_mm512_or_si512(widened(48), _mm512_srli_epi32(widened(16), 16))};
+}
+
+// Out: float (the fp32 sums) or at::BFloat16 (rounded once). x: bf16 pairs as 32-bit words, ldx in pairs.
+template <int ROWS, typename Out>
+void tile_dot(const uint32_t* x, int64_t ldx, int64_t groups, const Q8Panel& w, Out* out, int64_t ldo, int64_t cols,
+              const float* bias) {
+  constexpr int kSplit = ROWS <= 2 ? 2 : 1;  // sums per row and half: even / odd pairs apart at 1-2 rows
+  const int64_t pairs = w.group / 2;
+  __m512 acc[ROWS][2];
+  for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 block[ROWS][2 * kSplit];
+    for (int m = 0; m < ROWS; ++m)
+      for (int h = 0; h < 2 * kSplit; ++h) block[m][h] = _mm512_setzero_ps();
+    int64_t kp = g * pairs;
+    const int64_t end = kp + pairs;
+    for (; kp + kSplit <= end; kp += kSplit) {
+      for (int s = 0; s < kSplit; ++s) {
+        const PairBf16 p = pair_bf16(w.q + 2 * (kp + s) * kPanel);
+        for (int m = 0; m < ROWS; ++m) {
+          const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + kp + s]));
+          block[m][2 * s] = _mm512_dpbf16_ps(block[m][2 * s], xp, p.w0);
+          block[m][2 * s + 1] = _mm512_dpbf16_ps(block[m][2 * s + 1], xp, p.w1);
+        }
+      }
+    }
+    for (; kp < end; ++kp) {  // an odd number of pairs per block
+      const PairBf16 p = pair_bf16(w.q + 2 * kp * kPanel);
+      for (int m = 0; m < ROWS; ++m) {
+        const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + kp]));
+        block[m][0] = _mm512_dpbf16_ps(block[m][0], xp, p.w0);
+        block[m][1] = _mm512_dpbf16_ps(block[m][1], xp, p.w1);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(w.scales + g * kPanel), d1 = _mm512_loadu_ps(w.scales + g * kPanel + 16);
+    for (int m = 0; m < ROWS; ++m) {
+      __m512 s0 = block[m][0], s1 = block[m][1];
+      if constexpr (kSplit == 2) {
+        s0 = _mm512_add_ps(s0, block[m][2]);
+        s1 = _mm512_add_ps(s1, block[m][3]);
+      }
+      acc[m][0] = _mm512_fmadd_ps(d0, s0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(d1, s1, acc[m][1]);
+    }
+  }
+  if constexpr (std::is_same_v<Out, float>) {
+    ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
+  } else {
+    ascendserve_panel::store_tile_bf16<ROWS>(acc, out, ldo, cols, bias);
+  }
+}
+#endif
+
+// y = x @ W.T + b for bf16 x [M, K] (bias fp32), the fp32 sums rounded to bf16 where bf16_out. On the vdpbf16ps
+// tile where the build has AVX512-BF16 (every batch size), else x widened to fp32 (exact) through q8_linear's tiles.
+at::Tensor q8_linear_bf16x(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n,
+                           const c10::optional<at::Tensor>& bias, bool bf16_out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "q8_linear_bf16x: x must be a contiguous bf16 [M, K] tensor");
+#if defined(ASCENDSERVE_Q8_DOT)
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(2) == kPanel,
+              "q8_linear_bf16x: q must be [N/32, K, 32] int8");
+  const int64_t panels = q.size(0), k = q.size(1);
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == panels && scales.size(1) > 0 && scales.size(2) == kPanel,
+              "q8_linear_bf16x: scales must be [N/32, K/G, 32] fp32");
+  const int64_t groups = scales.size(1), group = k / groups;
+  TORCH_CHECK(group * groups == k && group % 2 == 0, "q8_linear_bf16x: K=", k, " is not ", groups,
+              " equal blocks of an even size");
+  ascendserve_panel::check_outputs(n, panels, kPanel, "q8_linear_bf16x");
+  TORCH_CHECK(x.size(1) == k, "q8_linear_bf16x: x has ", x.size(1), " columns, the weight ", k);
+  const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "q8_linear_bf16x");
+  const int64_t m_rows = x.size(0), kpairs = k / 2;
+  at::Tensor out = at::empty({m_rows, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  if (m_rows == 0) return out;
+  const uint32_t* x_ptr = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const int8_t* q_ptr = q.data_ptr<int8_t>();
+  const float* d_ptr = scales.data_ptr<float>();
+  auto run = [&](auto* out_ptr) {
+    ascendserve_panel::for_each_tile<kDotRows>(m_rows, k, n, panels, [&](int64_t p, int64_t m0, int rows,
+                                                                         int64_t cols) {
+      const Q8Panel w{q_ptr + p * k * kPanel, d_ptr + p * groups * kPanel, group};
+      ascendserve_panel::with_tile_rows<kDotRows>(rows, [&](auto r) {
+        tile_dot<decltype(r)::value>(x_ptr + m0 * kpairs, kpairs, groups, w, out_ptr + m0 * n + p * kPanel, n, cols,
+                                     bias_ptr ? bias_ptr + p * kPanel : nullptr);
+      });
+    });
+  };
+  ascendserve_panel::with_out_ptr(out, bf16_out, run);
+  return out;
+#else
+  at::Tensor out = linear(x.to(at::kFloat), q, scales, n, bias, false);
+  return bf16_out ? out.to(at::kBFloat16) : out;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("q8_linear(Tensor x, Tensor q, Tensor scales, int n, Tensor? bias) -> Tensor");
   m.def("q8_linear_portable(Tensor x, Tensor q, Tensor scales, int n, Tensor? bias) -> Tensor");
+  m.def("q8_linear_bf16x(Tensor x, Tensor q, Tensor scales, int n, Tensor? bias, bool bf16_out) -> Tensor");
   m.impl("q8_linear", c10::DispatchKey::CPU, TORCH_FN(q8_linear));
   m.impl("q8_linear_portable", c10::DispatchKey::CPU, TORCH_FN(q8_linear_portable));
+  m.impl("q8_linear_bf16x", c10::DispatchKey::CPU, TORCH_FN(q8_linear_bf16x));
 }
