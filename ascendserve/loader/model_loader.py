@@ -82,6 +82,7 @@ def _as_id_set(value) -> set[int]:
 def create_engine_config(args: EngineArgs) -> EngineConfig:
     """Resolve the model, read its config and settle dtype, lengths and caching."""
     platform = get_platform(args.device)
+    _check_quantization_device(args, platform)
     path = resolve_model(args)
     hf_config = load_hf_config(path, args)
     text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
@@ -102,6 +103,14 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                         device=platform.device(), platform=platform, served_model_name=served,
                         kv_cache_dtype=kv_cache_dtype, conv_state_dtype=conv_state_dtype,
                         ssm_state_dtype=ssm_state_dtype)
+
+
+def _check_quantization_device(args: EngineArgs, platform) -> None:
+    """--quantization int8 / int4 is quantized at load onto the CPU kernels' layouts (layers/quantization.py): on
+    another device it is an error before the model loads, not a failure inside its first forward."""
+    if args.quantization and platform.name != "cpu":
+        raise ValueError(f"quantization={args.quantization!r} (weight-only, quantized at load) runs on the CPU only; "
+                         f"the device is {platform.name}: leave quantization unset there")
 
 
 def _has_recurrent_layers(text_config) -> bool:

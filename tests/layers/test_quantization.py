@@ -1,6 +1,7 @@
 """Weight-only int8 / int4: per-layer error bounds, per-call kernel choice, logprob drift end to end."""
 
 import logging
+import types
 
 import pytest
 import torch
@@ -328,6 +329,17 @@ def test_serve_quantization_int8_is_effective_and_does_not_warn():
     assert warn_no_effect_flags(ns) == [] and ns.quantization == "int8"
     ns = build_parser().parse_args(["serve", "--quantization", "ascend"])  # a checkpoint method: inert
     assert warn_no_effect_flags(ns) == ["--quantization"] and ns.quantization is None
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantization_off_the_cpu_is_a_clear_error_before_loading(method):
+    from ascendserve.loader.model_loader import _check_quantization_device
+    from ascendserve.platforms import get_platform
+    _check_quantization_device(EngineArgs(quantization=method), get_platform("cpu"))
+    for name in ("cuda", "npu"):
+        with pytest.raises(ValueError, match=f"quantization='{method}' .* runs on the CPU only; the device is {name}"):
+            _check_quantization_device(EngineArgs(quantization=method), types.SimpleNamespace(name=name))
+    _check_quantization_device(EngineArgs(), types.SimpleNamespace(name="cuda"))
 
 
 @pytest.mark.parametrize("value", ["int4", "fp8", 8])
