@@ -15,8 +15,9 @@ Variants per (shape, M rows), ms per call:
   q4bf16x   q4_linear_bf16x on bf16 x and the same 4-bit panels, output rounded to bf16 (`--quantization int4` in
             a bf16 model)
   i4torch   torch._weight_int4pack_mm_for_cpu on bf16 x, group 64 (what a bf16 model's int4 layers ran before)
-  q8        q8_linear on x widened to fp32 and the weight on an 8-bit grid per 32 inputs (Q8_0's), output rounded to
-            bf16
+  q8        q8_linear on fp32 x and the weight on an 8-bit grid per 32 inputs (Q8_0's) (`--quantization int8` in an
+            fp32 model: GridInt8Linear up to its INT8_GRID_KERNEL_MAX_ROWS)
+  q8deq     the same weight dequantized to fp32 for the call, then F.linear (GridInt8Linear above those rows)
   q8bf16x   q8_linear_bf16x on bf16 x and the same 8-bit panels, output rounded to bf16 (`--quantization int8` in a
             bf16 model: GridInt8Linear)
   i8torch   torch._weight_int8pack_mm on bf16 x, per-channel bf16 scales (`--quantization int8` before GridInt8Linear)
@@ -26,7 +27,8 @@ shared: run it twice.
 
     .venv/bin/python benchmarks/probe_bf16_linear.py [--shapes smol|qwen|all] [--rows 1,8,64,256,2048]
         [--rounds 9] [--threads N] [--stream-mib 256]
-        [--variants fp32,mkl-pack,bf16,unpack+F,native,bf16x,dot,q4,q4bf16x,i4torch,q8,q8bf16x,i8torch]
+        [--variants fp32,mkl-pack,bf16,unpack+F,native,bf16x,dot,q4,q4bf16x,i4torch,q8,q8deq,q8bf16x,
+         i8torch]
 """
 
 import argparse
@@ -35,16 +37,17 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ascendserve.layers import cpu_kernels
-from ascendserve.layers.compact_linear import pack_bf16, pack_q4, pack_q8, round_to_grid
-from ascendserve.layers.quantization import q8_grid
+from ascendserve.layers.compact_linear import pack_bf16, pack_q4, round_to_grid
+from ascendserve.layers.quantization import GridInt8Linear
 from probe_packed_linear import SHAPES  # this directory is on sys.path when run as a script
 
 MKL_MAX_ROWS = 128
 Q4_GROUP = 64  # inputs per (d, m) block, as --quantization int4
 Q4_VARIANTS = ("q4", "q4bf16x", "i4torch")
-Q8_VARIANTS = ("q8", "q8bf16x", "i8torch")
+Q8_VARIANTS = ("q8", "q8deq", "q8bf16x", "i8torch")
 
 
 def q4_forms(weight: torch.Tensor, need_torch: bool):
@@ -97,7 +100,10 @@ def main() -> None:
             for i in range(q8_copies):
                 w = weights[i % copies]
                 scales = w.abs().amax(1) / 127
-                q8.append((pack_q8(*q8_grid(w)), ((w / scales[:, None]).round().to(torch.int8), scales.bfloat16())))
+                layer = nn.Linear(k, n, bias=False)
+                layer.weight.data = w
+                q8.append((GridInt8Linear(layer, ops, max_rows=0),
+                           ((w / scales[:, None]).round().to(torch.int8), scales.bfloat16())))
         for rows in rows_list:
             x = torch.randn(rows, k)
             xb = x.bfloat16()
@@ -115,8 +121,10 @@ def main() -> None:
                 "i4torch": (lambda i: torch._weight_int4pack_mm_for_cpu(xb, q4[i % len(q4)][1][0], Q4_GROUP,
                                                                         q4[i % len(q4)][1][1]))
                 if q4 and q4[0][1] is not None else None,
-                "q8": (lambda i: ops.q8_linear(xb.float(), *q8[i % len(q8)][0], n, None).bfloat16()) if q8 else None,
-                "q8bf16x": (lambda i: ops.q8_linear_bf16x(xb, *q8[i % len(q8)][0], n, None, True)) if q8 else None,
+                "q8": (lambda i: q8[i % len(q8)][0]._kernel(x)) if q8 else None,
+                "q8deq": (lambda i: q8[i % len(q8)][0]._large(x)) if q8 else None,
+                "q8bf16x": (lambda i: ops.q8_linear_bf16x(xb, q8[i % len(q8)][0].q, q8[i % len(q8)][0].scales, n, None,
+                                                          True)) if q8 else None,
                 "i8torch": (lambda i: torch._weight_int8pack_mm(xb, *q8[i % len(q8)][1])) if q8 else None,
             }
             times = {name: [] for name in chosen if variants[name] is not None}

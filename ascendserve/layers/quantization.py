@@ -71,9 +71,11 @@ INT4_BLOCK_NS = (64, 32)  # rows the CPU int4 pack interleaves: 64 on AVX-512, 3
 GRID_GROUP = 64  # inputs per (d, m) block of GridInt4Linear; 32 where 64 does not divide K
 # By the tiles' fp32 lanes (16: AVX-512, 8: AVX2): above, dequantize for the call and use the dense GEMM.
 GRID_KERNEL_MAX_ROWS = {16: 256, 8: 96}
-# GridInt8Linear in an fp32 model: above, the weight dequantized for the call + the dense GEMM (int8's crossover
-# with torch's kernel, INT_KERNEL_MAX_ROWS; not re-measured for q8_linear, whose 6-row fp32 tile Q8Linear runs to 24)
-INT8_GRID_KERNEL_MAX_ROWS = 32
+# GridInt8Linear in an fp32 model, by the tiles' fp32 lanes: above, the weight dequantized for the call + the dense
+# GEMM. AVX-512 measured on a Zen 4 (`benchmarks/probe_bf16_linear.py --shapes qwen --variants fp32,q8,q8deq`, ms a
+# call, the kernel / dequantized + F.linear): Qwen3.5's 7168 x 1024 at 64 rows 5.28 / 13.4, 256 rows 20.7 / 26.6,
+# 2048 rows about level; AVX2 not measured: torch's int8 kernel's crossover (INT_KERNEL_MAX_ROWS) kept.
+INT8_GRID_KERNEL_MAX_ROWS = {16: 256, 8: 32}
 
 
 class WeightOnlyLinear(nn.Module):
@@ -265,7 +267,7 @@ class GridInt8Linear(KernelLinear):
         super().__init__(linear, kernels)
         self.bf16_io = linear.weight.dtype == torch.bfloat16
         self.fp32_out = fp32_out and self.bf16_io
-        self.max_rows = INT8_GRID_KERNEL_MAX_ROWS if max_rows is None else max_rows
+        self.max_rows = INT8_GRID_KERNEL_MAX_ROWS[kernels.tile_lanes()] if max_rows is None else max_rows
         if self.bf16_io:
             self.max_rows = 1 << 62  # one kernel for every batch
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)

@@ -135,12 +135,13 @@ def test_int4_on_fp32_cpu_layers_uses_the_grid_kernel_for_every_shape(grid_kerne
 
 
 # -- int8 on the 8-bit grid kernel (csrc/q8_linear_cpu.cpp) --------------------------------------------------
-@pytest.mark.parametrize("rows", [1, 7, 40])  # the kernel's tiles, then the dequantize path (above 32)
+@pytest.mark.parametrize("rows", [1, 7, 40])  # the kernel's tiles (max_rows 8: then the dequantize path)
 def test_grid_int8_is_the_fp32_product_of_its_dequantized_weight(grid_kernels, rows):
     torch.manual_seed(0)
     linear = nn.Linear(96, 40, bias=True)  # N=40: a padded 32-row panel
-    layer = GridInt8Linear(linear, grid_kernels)
-    assert layer.max_rows == q.INT8_GRID_KERNEL_MAX_ROWS and layer.scales.shape == (2, 3, 32)
+    assert GridInt8Linear(linear, grid_kernels).max_rows == q.INT8_GRID_KERNEL_MAX_ROWS[grid_kernels.tile_lanes()]
+    layer = GridInt8Linear(linear, grid_kernels, max_rows=8)
+    assert layer.scales.shape == (2, 3, 32)
     weight = layer.dequantize()
     # On the grid: each block of 32 inputs of a row is d * q with q in -127..127, d = (its largest magnitude) / 127,
     # q rounded to nearest: within half a step of the original weight.
@@ -163,7 +164,8 @@ def test_int8_on_cpu_layers_uses_the_grid_kernel(grid_kernels, caplog):
         stats = quantize_model_(model, "int8")
     assert all(isinstance(m, GridInt8Linear) for m in (model.proj, model.heads, model.lm_head))
     assert isinstance(model.odd, WeightOnlyLinear) and stats["quantized"] == 4
-    assert model.proj.max_rows == q.INT8_GRID_KERNEL_MAX_ROWS and model.lm_head.max_rows == q.LM_HEAD_KERNEL_MAX_ROWS
+    assert model.proj.max_rows == q.INT8_GRID_KERNEL_MAX_ROWS[grid_kernels.tile_lanes()]
+    assert model.lm_head.max_rows == q.LM_HEAD_KERNEL_MAX_ROWS
     # 1.125 bytes a weight (fp32 d per 32 inputs; N padded to 32-row panels), biases fp32; torch's int8 layer a byte
     # a weight and a bf16 scale per row
     assert stats["bytes_after"] == (128 * 64 + 32 * 128 + 512 * 64) * 9 // 8 + (128 + 8 + 16) * 4 + 16 * 48 + 16 * 2
