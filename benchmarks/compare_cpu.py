@@ -175,10 +175,11 @@ def _ascendserve(ns, model: Model, params: int, ctx: int, extra: str) -> Config:
         half = _checkpoint_dtype(model.ascendserve_path) in ("bfloat16", "float16")
         dtype = "bfloat16" if bf16_by_default() and half else "float32"
     weights, nbytes = dtype, params * BYTES_PER_PARAM[dtype]
-    if "--quantization" in flags:  # weight-only (layers/quantization.py), bytes per weight with the scales:
-        weights = flags[flags.index("--quantization") + 1]  # int8: 1 (+ one scale a row); int4 in fp32: 0.5 +
-        # fp32 d and m per 64 inputs (the grid kernel); int4 in bf16: 0.5 + bf16 scale and zero per 64
-        nbytes = params * {"int8": 1, "int4": 0.625 if dtype == "float32" else 0.5625}[weights]
+    if "--quantization" in flags:  # weight-only (layers/quantization.py), bytes per weight with the scales, on
+        # the CPU kernels' grids in either dtype: int8 a byte + an fp32 d per 32 inputs (GridInt8Linear), int4 half a
+        # byte + fp32 d and m per 64 (GridInt4Linear)
+        weights = flags[flags.index("--quantization") + 1]
+        nbytes = params * {"int8": 1.125, "int4": 0.625}[weights]
     elif dtype == "float32" and env.get("ASCENDSERVE_COMPACT_WEIGHTS", "1").lower() not in ("0", "off", "false", "no"):
         if _checkpoint_dtype(model.ascendserve_path) == "bfloat16":
             weights, nbytes = "bf16 weights, fp32 compute", params * 2  # layers/compact_linear.py Bf16Linear
