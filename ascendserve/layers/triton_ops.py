@@ -149,26 +149,25 @@ def gated_delta_rule_decode(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tens
     state_indices. Returns o [B, Hv, dv] in x's dtype: what Qwen3_5GatedDeltaNet's torch path gets from
     computing g and beta and calling recurrent_gated_delta_rule(..., use_qk_l2norm_in_kernel=True).
     """
-    return _delta_rule(_gated_delta_rule_decode_kernel, x.shape[0], x, ba, (ba, ba.stride(0), a_log, dt_bias), states,
-                       (state_indices,), num_k_heads, head_k_dim, head_v_dim, scale)
+    return _delta_rule(_gated_delta_rule_decode_kernel, x.shape[0], x, ba, a_log, dt_bias, states, (state_indices,),
+                       num_k_heads, head_k_dim, head_v_dim, scale)
 
 
-def _delta_rule(kernel, rows: int, x, ba, gate_args: tuple, states, slot_args: tuple, num_k_heads: int,
-                head_k_dim: int, head_v_dim: int, scale: float | None, **constexprs) -> torch.Tensor:
-    """Launch a delta-rule kernel over `rows` rows or sequences x Hv heads x dv / BV column blocks: its arguments
-    x, then gate_args (ba and the gates' parameters, for the kernels that compute the gates), the state pool,
-    slot_args (the state slots, and for prefill the sequence bounds, has_initial_state and any scratch), the output
-    [T, Hv, dv] in x's dtype."""
+def _delta_rule(kernel, rows: int, x, ba, a_log, dt_bias, states, slot_args: tuple, num_k_heads: int,
+                head_k_dim: int, head_v_dim: int, scale: float | None) -> torch.Tensor:
+    """Launch a token-by-token delta-rule kernel over `rows` rows or sequences x Hv heads x dv / BV column blocks:
+    its arguments x, ba and the gates' parameters, the state pool, slot_args (the state slots, and for prefill the
+    sequence bounds and has_initial_state), the output [T, Hv, dv] in x's dtype."""
     num_v_heads = ba.shape[1] // 2
     _check_layout(kernel.__name__.strip("_").removesuffix("_kernel"), x, ba, states, head_k_dim, head_v_dim)
     out = torch.empty(x.shape[0], num_v_heads, head_v_dim, dtype=x.dtype, device=x.device)
     if x.shape[0] and rows:
         block_v = min(STATE_BLOCK_V, _pow2(head_v_dim))
         kernel[(rows * num_v_heads, triton.cdiv(head_v_dim, block_v))](
-            x, x.stride(0), *gate_args, states, states.stride(0), *slot_args, out,
+            x, x.stride(0), ba, ba.stride(0), a_log, dt_bias, states, states.stride(0), *slot_args, out,
             head_k_dim ** -0.5 if scale is None else scale, num_k_heads * head_k_dim,
             HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=_pow2(head_k_dim), BV=block_v,
-            **constexprs, **LAUNCH_OPTIONS)
+            **LAUNCH_OPTIONS)
     return out
 
 
@@ -264,9 +263,8 @@ def gated_delta_rule_prefill(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Ten
     from its slot of states (zeros where has_initial_state is False) and leaves its final state there. Returns
     o [T, Hv, dv] in x's dtype. A sequence's tokens run one after another in each of its Hv x dv / 32 programs: fine
     for prompts of hundreds of tokens; for thousands, chunk_gated_delta_rule takes 64 at a time."""
-    return _delta_rule(_gated_delta_rule_prefill_kernel, cu_seqlens.numel() - 1, x, ba,
-                       (ba, ba.stride(0), a_log, dt_bias), states, (state_indices, cu_seqlens, has_initial_state),
-                       num_k_heads, head_k_dim, head_v_dim, scale)
+    return _delta_rule(_gated_delta_rule_prefill_kernel, cu_seqlens.numel() - 1, x, ba, a_log, dt_bias, states,
+                       (state_indices, cu_seqlens, has_initial_state), num_k_heads, head_k_dim, head_v_dim, scale)
 
 
 DELTA_CHUNK = 64  # tokens per chunk of the chunked delta rule (transformers' and FLA's)
