@@ -433,7 +433,7 @@ def find_q8_grid(weight: torch.Tensor, rows_per_pass: int = 4096):
     """(q int8 [N, K], d [N, K/32]) with weight == d * q blockwise, else None.
 
     A dequantized Q8_0 block is d * q with q = round(w / d) for d = (its largest magnitude) / 127, so
-    that value is d * +-127 and d is found from it. A block fits when every value is reproduced to 2^-20
+    that value is d * +-127 and d is found from it (q8_grid). A block fits when every value is reproduced to 2^-20
     of its largest magnitude (in practice exactly); one block that does not and the layer stays as it is.
     """
     n, k = weight.shape
@@ -441,15 +441,30 @@ def find_q8_grid(weight: torch.Tensor, rows_per_pass: int = 4096):
         return None
     qs, ds = [], []
     for start in range(0, n, rows_per_pass):
-        blocks = weight[start:start + rows_per_pass].reshape(-1, k // Q8_GROUP, Q8_GROUP)
-        amax = blocks.abs().amax(-1)
-        d = amax / 127
-        q = (blocks / torch.where(d == 0, torch.ones_like(d), d)[..., None]).round_()
-        if not bool(_reproduces(blocks, q * d[..., None]).all()):
+        rows = weight[start:start + rows_per_pass]
+        q, d = _q8_rows(rows)
+        blocks = rows.reshape(-1, k // Q8_GROUP, Q8_GROUP)
+        if not bool(_reproduces(blocks, q.float().view_as(blocks) * d[..., None]).all()):
             return None
-        qs.append(q.to(torch.int8).reshape(-1, k))
+        qs.append(q)
         ds.append(d)
     return torch.cat(qs), torch.cat(ds)
+
+
+def q8_grid(weight: torch.Tensor, rows_per_pass: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any [N, K] weight (K a multiple of Q8_GROUP) rounded onto Q8_0's grid: (q int8 [N, K], d fp32 [N, K/32]),
+    W ~= d * q per block of 32 inputs, d = the block's largest magnitude / 127, q = round(W / d) (an all-zero block:
+    d = 0, q = 0). `--quantization int8` (layers/quantization.py, GridInt8Linear); rows_per_pass bounds the fp32
+    copies a large layer (an lm_head) makes."""
+    parts = [_q8_rows(weight[start:start + rows_per_pass]) for start in range(0, weight.shape[0], rows_per_pass)]
+    return torch.cat([q for q, _ in parts]), torch.cat([d for _, d in parts])
+
+
+def _q8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = rows.float().reshape(rows.shape[0], -1, Q8_GROUP)
+    d = blocks.abs().amax(-1) / 127
+    q = (blocks / torch.where(d == 0, torch.ones_like(d), d)[..., None]).round_().clamp_(-127, 127)
+    return q.to(torch.int8).reshape(rows.shape), d
 
 
 def _panel_lanes(t: torch.Tensor, panels: int) -> torch.Tensor:

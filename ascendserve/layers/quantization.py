@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from ascendserve.layers.compact_linear import (Q8_GROUP, KernelLinear, Q4Panels, a8_tile_name, pack_q4, pack_q8,
-                                               round_to_grid, tile_kernels)
+                                               q8_grid, round_to_grid, tile_kernels)
 from ascendserve.layers.linear import dense_linear
 from ascendserve.logger import init_logger
 
@@ -159,7 +159,41 @@ class WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}{group}"
 
 
-class GridInt4Linear(Q4Panels, KernelLinear):
+class GridQuantLinear(KernelLinear):
+    """What GridInt4Linear and GridInt8Linear share: an fp32 or bf16 CPU layer's weight rounded onto a grid per
+    block of inputs and multiplied by the C++ kernels with fp32 sums. A bf16 layer (`bf16_io`) runs its kernel for
+    every batch, rounding to bf16 once unless fp32_out (the lm_head, and the layers a model names in its
+    `fp32_output_linears`, as Bf16Linear.for_bf16); an fp32 layer up to max_rows rows (by the tiles' fp32 lanes,
+    `rows_by_lanes`), the weight dequantized for the call above."""
+
+    def __init__(self, linear: nn.Linear, kernels, rows_by_lanes: dict[int, int], max_rows: int | None,
+                 fp32_out: bool) -> None:
+        super().__init__(linear, kernels)
+        self.bf16_io = linear.weight.dtype == torch.bfloat16
+        self.fp32_out = fp32_out and self.bf16_io
+        self.max_rows = rows_by_lanes[kernels.tile_lanes()] if max_rows is None else max_rows
+        if self.bf16_io:
+            self.max_rows = 1 << 62  # one kernel for every batch
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        if self.bias is not None and self.bf16_io:
+            self.register_buffer("bias_fp32", self.bias.detach().float(), persistent=False)
+
+    @staticmethod
+    def supports(linear: nn.Linear) -> bool:
+        """An fp32 or bf16 CPU layer with in_features a multiple of 32, on a CPU where the kernels built."""
+        weight = linear.weight
+        return (weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
+                and linear.in_features % 32 == 0 and tile_kernels() is not None)
+
+    def kernel_bias(self) -> torch.Tensor | None:
+        """The bias as the kernels add it (fp32)."""
+        return self.bias_fp32 if self.bf16_io and self.bias is not None else self.bias
+
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.dequantize(), self.bias)
+
+
+class GridInt4Linear(Q4Panels, GridQuantLinear):
     """int4 on CPU: W ~= d * q + m per group of inputs, q in 0..15, fp32 d and m, fp32 sums.
 
     Asymmetric round-to-nearest per group (d = (max - min) / 15, m = min), like llama.cpp's Q4_1 but
@@ -182,15 +216,7 @@ class GridInt4Linear(Q4Panels, KernelLinear):
     weight_format = "int4 grid"
 
     def __init__(self, linear: nn.Linear, kernels, max_rows: int | None = None, fp32_out: bool = False) -> None:
-        super().__init__(linear, kernels)
-        self.bf16_io = linear.weight.dtype == torch.bfloat16
-        self.fp32_out = fp32_out and self.bf16_io
-        self.max_rows = GRID_KERNEL_MAX_ROWS[kernels.tile_lanes()] if max_rows is None else max_rows
-        if self.bf16_io:
-            self.max_rows = 1 << 62  # one kernel for every batch
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        if self.bias is not None and self.bf16_io:
-            self.register_buffer("bias_fp32", self.bias.detach().float(), persistent=False)
+        super().__init__(linear, kernels, GRID_KERNEL_MAX_ROWS, max_rows, fp32_out)
         weight = linear.weight.detach().float()
         n, k = weight.shape
         self.group_size = GRID_GROUP if k % GRID_GROUP == 0 else 32
@@ -203,25 +229,15 @@ class GridInt4Linear(Q4Panels, KernelLinear):
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("mins", mins, persistent=False)
 
-    @staticmethod
-    def supports(linear: nn.Linear) -> bool:
-        """An fp32 or bf16 CPU layer with in_features a multiple of 32, on a CPU where the kernels built."""
-        weight = linear.weight
-        return (weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
-                and linear.in_features % 32 == 0 and tile_kernels() is not None)
-
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if not self.bf16_io:
             return super()._kernel(x)
-        bias = self.bias_fp32 if self.bias is not None else None
+        bias = self.kernel_bias()
         if self.int8_activations and x.shape[0] > 1:  # the int8-activation kernel reads fp32 x (exact from bf16)
             out = self.kernels.q4_a8_linear(x.float(), self.q, self.scales, self.mins, self.out_features, bias)
             return out if self.fp32_out else out.bfloat16()
         return self.kernels.q4_linear_bf16x(x, self.q, self.scales, self.mins, self.out_features, bias,
                                             not self.fp32_out)
-
-    def _large(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.dequantize(), self.bias)
 
     def dequantize(self) -> torch.Tensor:
         """The dense fp32 [N, K] weight this layer multiplies by."""
@@ -233,17 +249,7 @@ class GridInt4Linear(Q4Panels, KernelLinear):
         return super().extra_repr() + f", group_size={self.group_size}{rows}{out}"
 
 
-def q8_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [N, K], d fp32 [N, K / Q8_GROUP]): W ~= d * q per block of Q8_GROUP inputs, d = the block's largest
-    magnitude / 127, q = round(W / d) (GGUF Q8_0's rule; an all-zero block gets d = 0, q = 0)."""
-    n, k = weight.shape
-    blocks = weight.float().reshape(n, k // Q8_GROUP, Q8_GROUP)
-    d = blocks.abs().amax(-1) / 127
-    q = (blocks / torch.where(d == 0, torch.ones_like(d), d)[..., None]).round_().clamp_(-127, 127)
-    return q.to(torch.int8).reshape(n, k), d
-
-
-class GridInt8Linear(KernelLinear):
+class GridInt8Linear(GridQuantLinear):
     """int8 on CPU: W ~= d * q per block of Q8_GROUP inputs, q in -127..127 and an fp32 d (q8_grid), kept in the
     8-bit panel layout of csrc/q8_linear_cpu.cpp (the kernel a Q8_0 GGUF's layers use, Q8Linear) and multiplied with
     fp32 sums. 1.125 bytes a weight. A bf16 layer (a model run in bf16, `bf16_io`): q8_linear_bf16x for every batch,
@@ -264,34 +270,16 @@ class GridInt8Linear(KernelLinear):
     weight_format = f"int8 grid per {Q8_GROUP} inputs"
 
     def __init__(self, linear: nn.Linear, kernels, max_rows: int | None = None, fp32_out: bool = False) -> None:
-        super().__init__(linear, kernels)
-        self.bf16_io = linear.weight.dtype == torch.bfloat16
-        self.fp32_out = fp32_out and self.bf16_io
-        self.max_rows = INT8_GRID_KERNEL_MAX_ROWS[kernels.tile_lanes()] if max_rows is None else max_rows
-        if self.bf16_io:
-            self.max_rows = 1 << 62  # one kernel for every batch
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        if self.bias is not None and self.bf16_io:
-            self.register_buffer("bias_fp32", self.bias.detach().float(), persistent=False)
+        super().__init__(linear, kernels, INT8_GRID_KERNEL_MAX_ROWS, max_rows, fp32_out)
         q, scales = pack_q8(*q8_grid(linear.weight.detach()))
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
 
-    @staticmethod
-    def supports(linear: nn.Linear) -> bool:
-        """An fp32 or bf16 CPU layer with in_features a multiple of Q8_GROUP, on a CPU where the kernels built."""
-        weight = linear.weight
-        return (weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
-                and linear.in_features % Q8_GROUP == 0 and tile_kernels() is not None)
-
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if not self.bf16_io:
             return self.kernels.q8_linear(x, self.q, self.scales, self.out_features, self.bias)
-        bias = self.bias_fp32 if self.bias is not None else None
-        return self.kernels.q8_linear_bf16x(x, self.q, self.scales, self.out_features, bias, not self.fp32_out)
-
-    def _large(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.dequantize(), self.bias)
+        return self.kernels.q8_linear_bf16x(x, self.q, self.scales, self.out_features, self.kernel_bias(),
+                                            not self.fp32_out)
 
     def dequantize(self) -> torch.Tensor:
         """The dense fp32 [N, K] weight this layer multiplies by."""

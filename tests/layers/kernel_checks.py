@@ -1,4 +1,5 @@
-"""The check the CPU linear-kernel tests share: an fp32 output against an fp64 F.linear."""
+"""The checks the CPU linear-kernel tests share: an fp32 output against an fp64 F.linear; a bf16-activation
+kernel against its fp32 twin."""
 
 import torch
 import torch.nn.functional as F
@@ -47,3 +48,32 @@ def assert_kernel_up_to_max_rows(grid_layer: nn.Module, dense: nn.Linear, max_ro
     assert calls == [max_rows + 1, 300]
     x = torch.randn(2, 3, k)[:, ::2]
     assert_fp32_product(grid_layer(x).reshape(-1, n), x.reshape(-1, k), dense)
+
+
+BF16X_ROWS = [1, 2, 3, 7, 12, 13, 25, 300]  # the split 1-2 row sums, the 12-row tile, several tiles
+
+
+def assert_bf16x_is_the_fp32_kernel(bf16x_op, fp32_op, packed: tuple, weight: torch.Tensor, bias) -> None:
+    """bf16x_op(x, *packed, n, bias, bf16_out) on bf16 x: the weight's values exact in bf16 and vdpbf16ps's products
+    exact, so the fp32 sums of fp32_op(x widened, *packed, n, bias) in another order, for each of BF16X_ROWS; with
+    bf16_out those sums rounded once, to nearest. weight: the dense [N, K] (fp64) the pack holds."""
+    n, k = weight.shape
+    b64 = None if bias is None else bias.double()
+    for rows in BF16X_ROWS:
+        x = (torch.randn(rows, k) * 2).bfloat16()
+        out = bf16x_op(x, *packed, n, bias, False)
+        assert out.dtype == torch.float32 and out.shape == (rows, n)
+        ref = F.linear(x.double(), weight, b64)
+        scale = F.linear(x.double().abs(), weight.abs(), None if b64 is None else b64.abs())
+        assert ((out.double() - ref).abs() <= 1e-5 * scale).all(), rows
+        rounded = bf16x_op(x, *packed, n, bias, True)
+        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())
+        assert ((out - fp32_op(x.float(), *packed, n, bias)).abs().double() <= 1e-5 * scale).all()
+
+
+def assert_bf16x_rows_do_not_depend_on_their_batch(bf16x_op, packed: tuple, n: int, k: int) -> None:
+    """One kernel at every batch size, each row summed in one order: a row alone equals that row in any batch."""
+    x = torch.randn(40, k).bfloat16()
+    batch = bf16x_op(x, *packed, n, None, True)
+    for rows in (slice(0, 1), slice(5, 7), slice(3, 16), slice(11, 40)):
+        assert torch.equal(bf16x_op(x[rows].contiguous(), *packed, n, None, True), batch[rows])

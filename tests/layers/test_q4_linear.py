@@ -4,7 +4,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ascendserve.layers import compact_linear
@@ -12,7 +11,8 @@ from ascendserve.layers.compact_linear import (A8_TILES, Q4_KERNEL_MAX_ROWS, Bf1
                                                find_q4_grid, pack_q4)
 from ascendserve.layers.prepack import prepack_linears_
 from ascendserve.platforms.cpu import cpu_flags
-from tests.layers.kernel_checks import assert_kernel_rows, assert_kernel_up_to_max_rows, fp32_layer_type
+from tests.layers.kernel_checks import (assert_bf16x_is_the_fp32_kernel, assert_bf16x_rows_do_not_depend_on_their_batch,
+                                       assert_kernel_rows, assert_kernel_up_to_max_rows, fp32_layer_type)
 
 
 @pytest.fixture(autouse=True)
@@ -71,41 +71,22 @@ def test_layer_runs_its_fp32_layer_above_the_kernel_rows(kernels, monkeypatch):
 
 
 # -- bf16 activations (a model run in bf16 with --quantization int4): q4_linear_bf16x ------------------------
-BF16X_ROWS = [1, 2, 3, 7, 12, 13, 25, 300]  # the split 1-2 row sums, the 12-row tile, several tiles
-
-
 @pytest.mark.parametrize("n,k,group", [(1, 32, 32), (40, 256, 64), (96, 96, 32), (200, 1536, 64), (33, 36, 6)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_bf16x_kernel_is_the_fp32_kernel_on_the_same_bf16_input(kernels, n, k, group, bias):
-    """q in 0..15 is exact in bf16 and vdpbf16ps's products are exact: the fp32 sums of the fp32 kernel on the
-    widened input, in another order (group 6: an odd number of input pairs per block)."""
+    """q in 0..15 is exact in bf16 (group 6: an odd number of input pairs per block)."""
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     d = torch.rand(n, k // group) * 0.01
     m = -torch.rand(n, k // group) * 0.05
-    b = torch.randn(n) if bias else None
-    packed = pack_q4(q, d, m)
     weight = (q.double().view(n, -1, group) * d.double()[..., None] + m.double()[..., None]).view(n, k)
-    for rows in BF16X_ROWS:
-        x = (torch.randn(rows, k) * 2).bfloat16()
-        out = kernels.q4_linear_bf16x(x, *packed, n, b, False)
-        assert out.dtype == torch.float32 and out.shape == (rows, n)
-        ref = F.linear(x.double(), weight, None if b is None else b.double())
-        scale = F.linear(x.double().abs(), weight.abs(), None if b is None else b.double().abs())
-        assert ((out.double() - ref).abs() <= 1e-5 * scale).all(), rows
-        rounded = kernels.q4_linear_bf16x(x, *packed, n, b, True)
-        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())  # rounded once, to nearest
-        fp32_kernel = kernels.q4_linear(x.float(), *packed, n, b)
-        assert ((out - fp32_kernel).abs().double() <= 1e-5 * scale).all()
+    assert_bf16x_is_the_fp32_kernel(kernels.q4_linear_bf16x, kernels.q4_linear, pack_q4(q, d, m), weight,
+                                    torch.randn(n) if bias else None)
 
 
 def test_bf16x_rows_do_not_depend_on_their_batch(kernels):
-    """One kernel at every batch size, each row summed in one order: a row alone equals that row in any batch."""
     q = torch.randint(0, 16, (96, 512), dtype=torch.uint8)
     packed = pack_q4(q, torch.rand(96, 8) * 0.01, -torch.rand(96, 8) * 0.05)
-    x = torch.randn(40, 512).bfloat16()
-    batch = kernels.q4_linear_bf16x(x, *packed, 96, None, True)
-    for rows in (slice(0, 1), slice(5, 7), slice(3, 16), slice(11, 40)):
-        assert torch.equal(kernels.q4_linear_bf16x(x[rows].contiguous(), *packed, 96, None, True), batch[rows])
+    assert_bf16x_rows_do_not_depend_on_their_batch(kernels.q4_linear_bf16x, packed, 96, 512)
 
 
 def test_bf16x_kernel_rejects_mismatched_inputs(kernels):

@@ -6,13 +6,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ascendserve.layers import compact_linear
 from ascendserve.layers.compact_linear import Q4Linear, Q8Linear, find_q4_grid, find_q8_grid, pack_q8
 from ascendserve.layers.prepack import prepack_linears_
-from tests.layers.kernel_checks import assert_fp32_product, assert_kernel_rows, assert_kernel_up_to_max_rows
+from tests.layers.kernel_checks import (assert_bf16x_is_the_fp32_kernel, assert_bf16x_rows_do_not_depend_on_their_batch,
+                                       assert_fp32_product, assert_kernel_rows, assert_kernel_up_to_max_rows)
 
 
 def _q8_0(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -121,40 +121,21 @@ def test_compact_weights_switch_keeps_the_q8_layer_fp32(monkeypatch):
 
 
 # -- bf16 activations (a model run in bf16 with --quantization int8): q8_linear_bf16x ------------------------
-BF16X_ROWS = [1, 2, 3, 7, 12, 13, 25, 300]  # the split 1-2 row sums, the 12-row tile, several tiles
-
-
 @pytest.mark.parametrize("n,k,group", [(1, 32, 32), (40, 256, 32), (96, 96, 32), (200, 1536, 32), (33, 36, 6)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_bf16x_kernel_is_the_fp32_kernel_on_the_same_bf16_input(kernels, n, k, group, bias):
-    """q in -127..127 is exact in bf16 and vdpbf16ps's products are exact: the fp32 sums of the fp32 kernel on the
-    widened input, in another order (group 6: an odd number of input pairs per block)."""
+    """q in -127..127 is exact in bf16 (group 6: an odd number of input pairs per block)."""
     torch.manual_seed(n + k)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     d = torch.rand(n, k // group) * 0.01
-    b = torch.randn(n) if bias else None
-    packed = pack_q8(q, d)
     weight = (q.double().view(n, -1, group) * d.double()[..., None]).view(n, k)
-    for rows in BF16X_ROWS:
-        x = (torch.randn(rows, k) * 2).bfloat16()
-        out = kernels.q8_linear_bf16x(x, *packed, n, b, False)
-        assert out.dtype == torch.float32 and out.shape == (rows, n)
-        ref = F.linear(x.double(), weight, None if b is None else b.double())
-        scale = F.linear(x.double().abs(), weight.abs(), None if b is None else b.double().abs())
-        assert ((out.double() - ref).abs() <= 1e-5 * scale).all(), rows
-        rounded = kernels.q8_linear_bf16x(x, *packed, n, b, True)
-        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())  # rounded once, to nearest
-        fp32_kernel = kernels.q8_linear(x.float(), *packed, n, b)
-        assert ((out - fp32_kernel).abs().double() <= 1e-5 * scale).all()
+    assert_bf16x_is_the_fp32_kernel(kernels.q8_linear_bf16x, kernels.q8_linear, pack_q8(q, d), weight,
+                                    torch.randn(n) if bias else None)
 
 
 def test_bf16x_rows_do_not_depend_on_their_batch(kernels):
-    """One kernel at every batch size, each row summed in one order: a row alone equals that row in any batch."""
     packed = pack_q8(torch.randint(-127, 128, (96, 512), dtype=torch.int8), torch.rand(96, 16) * 0.01)
-    x = torch.randn(40, 512).bfloat16()
-    batch = kernels.q8_linear_bf16x(x, *packed, 96, None, True)
-    for rows in (slice(0, 1), slice(5, 7), slice(3, 16), slice(11, 40)):
-        assert torch.equal(kernels.q8_linear_bf16x(x[rows].contiguous(), *packed, 96, None, True), batch[rows])
+    assert_bf16x_rows_do_not_depend_on_their_batch(kernels.q8_linear_bf16x, packed, 96, 512)
 
 
 def test_bf16x_kernel_rejects_mismatched_inputs(kernels):

@@ -159,6 +159,65 @@ inline void store_tile_bf16(const __m512 (&acc)[ROWS][2], at::BFloat16* out, int
   }
 }
 
+// store_tile for a bf16 output: the fp32 sums rounded once.
+template <int ROWS>
+inline void store_tile(const __m512 (&acc)[ROWS][2], at::BFloat16* out, int64_t ldo, int64_t cols, const float* bias) {
+  store_tile_bf16<ROWS>(acc, out, ldo, cols, bias);
+}
+
+// A panel's weights for one input pair kp as vdpbf16ps operands: outputs 0-15 / 16-31, (w[n][2kp], w[n][2kp+1]) as
+// bf16 in each 32-bit lane.
+struct PairBf16 {
+  __m512bh w0, w1;
+};
+
+// Block sums per row and half of the panel: one or two rows keep even and odd pairs apart (independent chains: one
+// row is otherwise bound by vdpbf16ps's latency), pair_sum adds them.
+template <int ROWS>
+constexpr int kPairSplit = ROWS <= 2 ? 2 : 1;
+
+template <int ROWS>
+inline __m512 pair_sum(const __m512 (&block)[ROWS][2 * kPairSplit<ROWS>], int m, int half) {
+  if constexpr (kPairSplit<ROWS> == 2) return _mm512_add_ps(block[m][half], block[m][2 + half]);
+  return block[m][half];
+}
+
+// ROWS rows of bf16 x (pairs as 32-bit words, ldx in pairs) against one panel, a block of `pairs` input pairs at a
+// time: each block's sums (vdpbf16ps of each x pair with pair_at(kp)) start at zero and go to fold(g, block). The
+// bf16-activation tiles of the 4-bit and 8-bit kernels (q4_linear_bf16x, q8_linear_bf16x), which differ in how
+// they widen a pair of weights and fold a block.
+template <int ROWS, typename PairAt, typename Fold>
+inline void dot_pair_blocks(const uint32_t* x, int64_t ldx, int64_t groups, int64_t pairs, const PairAt& pair_at,
+                            const Fold& fold) {
+  constexpr int kSplit = kPairSplit<ROWS>;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 block[ROWS][2 * kSplit];
+    for (int m = 0; m < ROWS; ++m)
+      for (int h = 0; h < 2 * kSplit; ++h) block[m][h] = _mm512_setzero_ps();
+    int64_t kp = g * pairs;
+    const int64_t end = kp + pairs;
+    for (; kp + kSplit <= end; kp += kSplit) {
+      for (int s = 0; s < kSplit; ++s) {
+        const PairBf16 p = pair_at(kp + s);
+        for (int m = 0; m < ROWS; ++m) {
+          const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + kp + s]));
+          block[m][2 * s] = _mm512_dpbf16_ps(block[m][2 * s], xp, p.w0);
+          block[m][2 * s + 1] = _mm512_dpbf16_ps(block[m][2 * s + 1], xp, p.w1);
+        }
+      }
+    }
+    for (; kp < end; ++kp) {  // an odd number of pairs per block
+      const PairBf16 p = pair_at(kp);
+      for (int m = 0; m < ROWS; ++m) {
+        const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + kp]));
+        block[m][0] = _mm512_dpbf16_ps(block[m][0], xp, p.w0);
+        block[m][1] = _mm512_dpbf16_ps(block[m][1], xp, p.w1);
+      }
+    }
+    fold(g, block);
+  }
+}
+
 #endif
 
 }  // namespace ascendserve_panel

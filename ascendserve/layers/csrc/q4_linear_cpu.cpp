@@ -22,7 +22,6 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "bf16_convert.h"
@@ -606,9 +605,7 @@ at::Tensor q4_a8_linear_portable(const at::Tensor& x, const at::Tensor& q, const
 #define ASCENDSERVE_Q4_DOT 1
 constexpr int kDotRows = 12;  // x rows per tile: 24 registers of block sums
 
-struct PairBf16 {
-  __m512bh w0, w1;  // outputs 0-15 / 16-31: (q[n][2kp], q[n][2kp+1]) as bf16 per lane
-};
+using ascendserve_panel::PairBf16;
 
 inline PairBf16 pair_bf16(const uint8_t* bytes, const __m512i& table) {
   const __m512i mask = _mm512_set1_epi32(0x000f000f);
@@ -638,41 +635,14 @@ inline __m512i nibble_table() {
 template <int ROWS, typename Out>
 void tile_dot(const uint32_t* x, int64_t ldx, const float* xsum, int64_t groups, const Q4Panel& w,
               const __m512i& table, Out* out, int64_t ldo, int64_t cols, const float* bias) {
-  constexpr int kSplit = ROWS <= 2 ? 2 : 1;  // sums per row and half: even / odd pairs apart at 1-2 rows
-  const int64_t pairs = w.group / 2;
   __m512 acc[ROWS][2];
   for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 block[ROWS][2 * kSplit];
-    for (int m = 0; m < ROWS; ++m)
-      for (int h = 0; h < 2 * kSplit; ++h) block[m][h] = _mm512_setzero_ps();
-    int64_t kp = g * pairs;
-    const int64_t end = kp + pairs;
-    for (; kp + kSplit <= end; kp += kSplit) {
-      for (int s = 0; s < kSplit; ++s) {
-        const PairBf16 p = pair_bf16(w.q + (kp + s) * kPanel, table);
-        for (int m = 0; m < ROWS; ++m) {
-          const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + kp + s]));
-          block[m][2 * s] = _mm512_dpbf16_ps(block[m][2 * s], xp, p.w0);
-          block[m][2 * s + 1] = _mm512_dpbf16_ps(block[m][2 * s + 1], xp, p.w1);
-        }
-      }
-    }
-    for (; kp < end; ++kp) {  // an odd number of pairs per block (G = 2 mod 4)
-      const PairBf16 p = pair_bf16(w.q + kp * kPanel, table);
-      for (int m = 0; m < ROWS; ++m) {
-        const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + kp]));
-        block[m][0] = _mm512_dpbf16_ps(block[m][0], xp, p.w0);
-        block[m][1] = _mm512_dpbf16_ps(block[m][1], xp, p.w1);
-      }
-    }
-    fold_block<ROWS, kSplit>(acc, block, xsum, groups, g, w);
-  }
-  if constexpr (std::is_same_v<Out, float>) {
-    ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
-  } else {
-    ascendserve_panel::store_tile_bf16<ROWS>(acc, out, ldo, cols, bias);
-  }
+  ascendserve_panel::dot_pair_blocks<ROWS>(
+      x, ldx, groups, w.group / 2, [&](int64_t kp) { return pair_bf16(w.q + kp * kPanel, table); },
+      [&](int64_t g, const auto& block) {
+        fold_block<ROWS, ascendserve_panel::kPairSplit<ROWS>>(acc, block, xsum, groups, g, w);
+      });
+  ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
 }
 
 // Per row and block of G inputs, the fp32 sum of bf16 x (the mins' factor), rows split over the threads.

@@ -15,7 +15,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "panel_linear.h"
 
@@ -169,20 +168,28 @@ void tile_fast(int rows, const float* x, int64_t ldx, int64_t groups, const Q8Pa
 }
 #endif
 
+// The weight's block size G, after checking the pack (q [N/32, K, 32] int8, scales [N/32, K/G, 32] fp32, n within
+// its panels) and that x has its K columns.
+int64_t check_pack(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n, const char* op) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(2) == kPanel, op,
+              ": q must be [N/32, K, 32] int8");
+  const int64_t panels = q.size(0), k = q.size(1);
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == panels && scales.size(1) > 0 && scales.size(2) == kPanel,
+              op, ": scales must be [N/32, K/G, 32] fp32");
+  const int64_t groups = scales.size(1), group = k / groups;
+  TORCH_CHECK(group * groups == k, op, ": K=", k, " is not ", groups, " equal blocks");
+  ascendserve_panel::check_outputs(n, panels, kPanel, op);
+  TORCH_CHECK(x.size(1) == k, op, ": x has ", x.size(1), " columns, the weight ", k);
+  return group;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n,
                   const c10::optional<at::Tensor>& bias, bool portable) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "q8_linear: x must be a contiguous fp32 [M, K] tensor");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(2) == kPanel,
-              "q8_linear: q must be [N/32, K, 32] int8");
-  const int64_t panels = q.size(0), k = q.size(1);
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == panels && scales.size(1) > 0 && scales.size(2) == kPanel,
-              "q8_linear: scales must be [N/32, K/G, 32] fp32");
-  const int64_t groups = scales.size(1), group = k / groups;
-  TORCH_CHECK(group * groups == k, "q8_linear: K=", k, " is not ", groups, " equal blocks");
-  ascendserve_panel::check_outputs(n, panels, kPanel, "q8_linear");
-  TORCH_CHECK(x.size(1) == k, "q8_linear: x has ", x.size(1), " columns, the weight ", k);
+  const int64_t group = check_pack(x, q, scales, n, "q8_linear");
+  const int64_t panels = q.size(0), k = q.size(1), groups = k / group;
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "q8_linear");
   const int64_t m_rows = x.size(0);
   at::Tensor out = at::empty({m_rows, n}, x.options());
@@ -224,9 +231,7 @@ at::Tensor q8_linear_portable(const at::Tensor& x, const at::Tensor& q, const at
 #define ASCENDSERVE_Q8_DOT 1
 constexpr int kDotRows = 12;  // x rows per tile: 24 registers of block sums
 
-struct PairBf16 {
-  __m512bh w0, w1;  // outputs 0-15 / 16-31: (q[n][2kp], q[n][2kp+1]) as bf16 per lane
-};
+using ascendserve_panel::PairBf16;
 
 // bytes: input 2kp's 32 bytes (a panel's rows), then input 2kp + 1's.
 inline PairBf16 pair_bf16(const int8_t* bytes) {
@@ -243,50 +248,18 @@ inline PairBf16 pair_bf16(const int8_t* bytes) {
 template <int ROWS, typename Out>
 void tile_dot(const uint32_t* x, int64_t ldx, int64_t groups, const Q8Panel& w, Out* out, int64_t ldo, int64_t cols,
               const float* bias) {
-  constexpr int kSplit = ROWS <= 2 ? 2 : 1;  // sums per row and half: even / odd pairs apart at 1-2 rows
-  const int64_t pairs = w.group / 2;
   __m512 acc[ROWS][2];
   for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 block[ROWS][2 * kSplit];
-    for (int m = 0; m < ROWS; ++m)
-      for (int h = 0; h < 2 * kSplit; ++h) block[m][h] = _mm512_setzero_ps();
-    int64_t kp = g * pairs;
-    const int64_t end = kp + pairs;
-    for (; kp + kSplit <= end; kp += kSplit) {
-      for (int s = 0; s < kSplit; ++s) {
-        const PairBf16 p = pair_bf16(w.q + 2 * (kp + s) * kPanel);
+  ascendserve_panel::dot_pair_blocks<ROWS>(
+      x, ldx, groups, w.group / 2, [&](int64_t kp) { return pair_bf16(w.q + 2 * kp * kPanel); },
+      [&](int64_t g, const auto& block) {
+        const __m512 d0 = _mm512_loadu_ps(w.scales + g * kPanel), d1 = _mm512_loadu_ps(w.scales + g * kPanel + 16);
         for (int m = 0; m < ROWS; ++m) {
-          const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + kp + s]));
-          block[m][2 * s] = _mm512_dpbf16_ps(block[m][2 * s], xp, p.w0);
-          block[m][2 * s + 1] = _mm512_dpbf16_ps(block[m][2 * s + 1], xp, p.w1);
+          acc[m][0] = _mm512_fmadd_ps(d0, ascendserve_panel::pair_sum<ROWS>(block, m, 0), acc[m][0]);
+          acc[m][1] = _mm512_fmadd_ps(d1, ascendserve_panel::pair_sum<ROWS>(block, m, 1), acc[m][1]);
         }
-      }
-    }
-    for (; kp < end; ++kp) {  // an odd number of pairs per block
-      const PairBf16 p = pair_bf16(w.q + 2 * kp * kPanel);
-      for (int m = 0; m < ROWS; ++m) {
-        const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + kp]));
-        block[m][0] = _mm512_dpbf16_ps(block[m][0], xp, p.w0);
-        block[m][1] = _mm512_dpbf16_ps(block[m][1], xp, p.w1);
-      }
-    }
-    const __m512 d0 = _mm512_loadu_ps(w.scales + g * kPanel), d1 = _mm512_loadu_ps(w.scales + g * kPanel + 16);
-    for (int m = 0; m < ROWS; ++m) {
-      __m512 s0 = block[m][0], s1 = block[m][1];
-      if constexpr (kSplit == 2) {
-        s0 = _mm512_add_ps(s0, block[m][2]);
-        s1 = _mm512_add_ps(s1, block[m][3]);
-      }
-      acc[m][0] = _mm512_fmadd_ps(d0, s0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(d1, s1, acc[m][1]);
-    }
-  }
-  if constexpr (std::is_same_v<Out, float>) {
-    ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
-  } else {
-    ascendserve_panel::store_tile_bf16<ROWS>(acc, out, ldo, cols, bias);
-  }
+      });
+  ascendserve_panel::store_tile<ROWS>(acc, out, ldo, cols, bias);
 }
 #endif
 
@@ -297,19 +270,10 @@ at::Tensor q8_linear_bf16x(const at::Tensor& x, const at::Tensor& q, const at::T
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "q8_linear_bf16x: x must be a contiguous bf16 [M, K] tensor");
 #if defined(ASCENDSERVE_Q8_DOT)
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(2) == kPanel,
-              "q8_linear_bf16x: q must be [N/32, K, 32] int8");
-  const int64_t panels = q.size(0), k = q.size(1);
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == panels && scales.size(1) > 0 && scales.size(2) == kPanel,
-              "q8_linear_bf16x: scales must be [N/32, K/G, 32] fp32");
-  const int64_t groups = scales.size(1), group = k / groups;
-  TORCH_CHECK(group * groups == k && group % 2 == 0, "q8_linear_bf16x: K=", k, " is not ", groups,
-              " equal blocks of an even size");
-  ascendserve_panel::check_outputs(n, panels, kPanel, "q8_linear_bf16x");
-  TORCH_CHECK(x.size(1) == k, "q8_linear_bf16x: x has ", x.size(1), " columns, the weight ", k);
+  const int64_t group = check_pack(x, q, scales, n, "q8_linear_bf16x");
+  TORCH_CHECK(group % 2 == 0, "q8_linear_bf16x: blocks of ", group, " inputs, not whole input pairs");
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "q8_linear_bf16x");
-  const int64_t m_rows = x.size(0), kpairs = k / 2;
+  const int64_t m_rows = x.size(0), k = q.size(1), panels = q.size(0), groups = k / group, kpairs = k / 2;
   at::Tensor out = at::empty({m_rows, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (m_rows == 0) return out;
   const uint32_t* x_ptr = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
