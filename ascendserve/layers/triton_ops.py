@@ -275,8 +275,8 @@ def delta_dot(dtype: torch.dtype) -> str:
     three TF32 passes, fp32's accuracy (one pass keeps 10 mantissa bits, ~1e-3 relative: more than the fp32 tests
     allow a model's logprobs); a bf16 or fp16 model's round each operand to bf16 (exact products, fp32 sums), as FLA's
     kernels do: half the registers of fp32 tiles, which spill (tests/layers/compile_triton_ops.py reports how much).
-    Triton's interpreter multiplies bf16 tiles wrongly (their bits as integers), so there the same rounding is
-    followed by an fp32 product ("bf16-emulated")."""
+    Triton 3.9's interpreter gets bf16 tile products wrong (~1e10 for two 16 x 16 tiles of N(0, 1) values), so there
+    the same rounding is followed by an fp32 product ("bf16-emulated")."""
     if dtype == torch.float32:
         return "tf32x3"
     return "bf16-emulated" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
