@@ -59,8 +59,9 @@ class EngineArgs:
     served_model_name: str | list[str] | None = None
     hf_overrides: dict[str, Any] | None = None
     quantization: str | None = None  # None, "int8" or "int4": weight-only, quantized at load (not bit-exact)
-    # None or "int8": 4-bit-weight linears (a Q4_0 / Q4_1 GGUF's, --quantization int4's) round their input
-    # to int8 per 32 values and multiply with integer instructions (CPU; not bit-exact)
+    # None or "int8": 4-bit-weight linears (a Q4_0 / Q4_1 GGUF's, --quantization int4's), and --quantization int8's
+    # on AVX512-VNNI, round their input to int8 per 32 values and multiply with integer instructions (CPU; not
+    # bit-exact)
     activation_quantization: str | None = None
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # Recurrent-state dtypes of a hybrid model, one of MAMBA_CACHE_DTYPES each. mamba_cache_dtype: conv and recurrent

@@ -37,10 +37,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"weight-only quantization applied at load, one of {list(QUANTIZATION_METHODS)} "
                              f"(not bit-exact)")
     parser.add_argument("--activation-quantization", default=None, choices=list(ACTIVATION_QUANTIZATION_METHODS),
-                        help="int8: layers with 4-bit weights (a Q4_0 / Q4_1 GGUF, --quantization int4) round "
-                             "their input to int8 per 32 values and multiply with integer instructions, as "
-                             "llama.cpp does: about twice the fp32 arithmetic rate on a CPU (prefill, batches "
-                             "of 2+ rows); not bit-exact")
+                        help="int8: layers with 4-bit weights (a Q4_0 / Q4_1 GGUF, --quantization int4), and "
+                             "--quantization int8's on an AVX512-VNNI CPU, round their input to int8 per 32 values "
+                             "and multiply with integer instructions, as llama.cpp does: prefill and batches "
+                             "(2+ rows; int8's 16+) faster on a CPU; not bit-exact")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                         help=f"one of {list(KV_CACHE_DTYPES)}; auto: the model dtype. bfloat16 under a float32 model "
                              f"(the CPU default) stores K/V in half the memory (twice the cached tokens) and halves "

@@ -76,6 +76,10 @@ GRID_KERNEL_MAX_ROWS = {16: 256, 8: 96}
 # call, the kernel / dequantized + F.linear): Qwen3.5's 7168 x 1024 at 64 rows 5.28 / 13.4, 256 rows 20.7 / 26.6,
 # 2048 rows about level; AVX2 not measured: torch's int8 kernel's crossover (INT_KERNEL_MAX_ROWS) kept.
 INT8_GRID_KERNEL_MAX_ROWS = {16: 256, 8: 32}
+# GridInt8Linear with int8 activations: from this many rows (Zen 4, Qwen3.5's 8192 x 1024 / 1024 x 3584, ms, q8_a8_linear
+# / q8_linear_bf16x / the unquantized bf16 tile: 8 rows 0.36 / 0.35 / 0.36 and 0.18 / 0.14 / 0.14; 64 rows 2.10 /
+# 2.93 / 2.51 and 0.94 / 1.24 / 1.05; 2048 rows 64.3 / 91.6 / 78.9 and 30.0 / 38.9 / 33.9)
+INT8_A8_MIN_ROWS = 16
 
 
 class WeightOnlyLinear(nn.Module):
@@ -268,6 +272,7 @@ class GridInt8Linear(GridQuantLinear):
     """
 
     weight_format = f"int8 grid per {Q8_GROUP} inputs"
+    int8_activations = False
 
     def __init__(self, linear: nn.Linear, kernels, max_rows: int | None = None, fp32_out: bool = False) -> None:
         super().__init__(linear, kernels, INT8_GRID_KERNEL_MAX_ROWS, max_rows, fp32_out)
@@ -275,7 +280,24 @@ class GridInt8Linear(GridQuantLinear):
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
 
+    def use_int8_activations(self) -> bool:
+        """--activation-quantization int8 (opt-in, not bit-exact): from INT8_A8_MIN_ROWS rows, x rounded to int8 per
+        32 inputs (llama.cpp's Q8_1, as Q4Panels) times the 8-bit weights in integer sums on AVX512-VNNI's vpdpbusd
+        (q8_a8_linear); every batch on the kernels. False, and nothing changes, where this build has no VNNI tile
+        (AVX2's vpmaddubsw would overflow its 16-bit pair sums on 8-bit weights)."""
+        if self.kernels.q4_a8_tile() != "avx512_vnni":
+            return False
+        self.int8_activations = True
+        self.max_rows = 1 << 62
+        self.register_buffer("mins", -128 * self.scales, persistent=False)  # takes off the kernel's +128 byte offset
+        self.weight_format = f"{self.weight_format}, int8 activations per 32 inputs from {INT8_A8_MIN_ROWS} rows"
+        return True
+
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_activations and x.shape[0] >= INT8_A8_MIN_ROWS:
+            out = self.kernels.q8_a8_linear(x.float(), self.q, self.scales, self.mins, self.out_features,
+                                            self.kernel_bias())
+            return out.to(torch.bfloat16) if self.bf16_io and not self.fp32_out else out
         if not self.bf16_io:
             return self.kernels.q8_linear(x, self.q, self.scales, self.out_features, self.bias)
         return self.kernels.q8_linear_bf16x(x, self.q, self.scales, self.out_features, self.kernel_bias(),
@@ -350,7 +372,10 @@ def quantize_model_(model: nn.Module, method: str, int8_activations: bool = Fals
                 quantized += 1
             elif method == "int8" and GridInt8Linear.supports(child):
                 fp32_out = name == "lm_head" or name in getattr(parent, "fp32_output_linears", ())
-                setattr(parent, name, GridInt8Linear(child, tile_kernels(), rows, fp32_out=fp32_out))
+                layer = GridInt8Linear(child, tile_kernels(), rows, fp32_out=fp32_out)
+                if int8_activations and layer.use_int8_activations():
+                    a8 += 1
+                setattr(parent, name, layer)
                 quantized += 1
             elif WeightOnlyLinear.supports(child, method):
                 setattr(parent, name, WeightOnlyLinear(child, method, rows))
@@ -363,7 +388,7 @@ def quantize_model_(model: nn.Module, method: str, int8_activations: bool = Fals
                 "weights %.1f MiB -> %.1f MiB (not bit-exact)", method, quantized, skipped,
                 before / 2**20, stats["bytes_after"] / 2**20)
     if a8:
-        logger.info("%d int4 layers multiply int8 activations (--activation-quantization int8; %s)", a8,
+        logger.info("%d %s layers multiply int8 activations (--activation-quantization int8; %s)", a8, method,
                     a8_tile_name(tile_kernels()))
     return stats
 

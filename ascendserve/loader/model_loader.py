@@ -229,7 +229,8 @@ def build_model(config: EngineConfig) -> torch.nn.Module:
         stats = prepack_linears_(model, int8_activations=int8_activations)
     if int8_activations and not stats.get("int8_activations"):
         logger.warning("--activation-quantization int8 has no effect: the model has no 4-bit-weight linears on "
-                       "this device (a Q4_0 / Q4_1 GGUF, or --quantization int4, on a CPU where the kernels build)")
+                       "this device (a Q4_0 / Q4_1 GGUF, or --quantization int4, on a CPU where the kernels build) "
+                       "and no --quantization int8 layers on an AVX512-VNNI CPU")
     if config.device.type == "cpu":
         from ascendserve.layers.prepack import compact_embeddings_
         compact_embeddings_(model)

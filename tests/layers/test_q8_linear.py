@@ -146,3 +146,27 @@ def test_bf16x_kernel_rejects_mismatched_inputs(kernels):
         kernels.q8_linear_bf16x(torch.randn(3, 32).bfloat16(), *packed, 40, None, True)
     with pytest.raises(RuntimeError, match="bias must be a contiguous fp32"):
         kernels.q8_linear_bf16x(torch.randn(3, 64).bfloat16(), *packed, 40, torch.zeros(40).bfloat16(), True)
+
+
+# -- int8 activations (--quantization int8 --activation-quantization int8): q8_a8_linear ----------------------
+@pytest.mark.parametrize("op", ["q8_a8_linear", "q8_a8_linear_portable"])
+@pytest.mark.parametrize("n,k", [(40, 64), (96, 256), (33, 1024)])
+def test_a8_kernel_is_the_fp32_product_of_the_int8_rounded_input(kernels, op, n, k):
+    """x rounded to int8 per 32 inputs (dx = max |x| / 127); the 8-bit weights made unsigned bytes (+128) for
+    vpdpbusd and the offset taken off through the mins -128 d: the fp32 product of the two grids, to fp32 rounding."""
+    torch.manual_seed(n + k)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    d = torch.rand(n, k // 32) * 0.01
+    q_packed, scales = pack_q8(q, d)
+    weight = (q.double().view(n, -1, 32) * d.double()[..., None]).view(n, k)
+    bias = torch.randn(n)
+    for rows in (1, 2, 6, 7, 65):  # around the 6-row VNNI tile and the portable 4-row one
+        x = torch.randn(rows, k)
+        blocks = x.view(rows, -1, 32)
+        amax = blocks.abs().amax(-1)  # the kernel's arithmetic, in fp32: qx = round(x * (127 / amax)), dx = amax / 127
+        qx = torch.round(blocks * (127 / amax)[..., None])
+        xq = (qx.double() * (amax / 127).double()[..., None]).view(rows, k)
+        out = getattr(kernels, op)(x, q_packed, scales, -128 * scales, n, bias)
+        ref = xq @ weight.T + bias.double()
+        scale = xq.abs() @ weight.abs().T + bias.double().abs()
+        assert out.dtype == torch.float32 and ((out.double() - ref).abs() <= 1e-5 * scale).all(), rows

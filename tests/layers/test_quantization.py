@@ -223,6 +223,35 @@ def test_int8_on_bf16_layers_uses_the_grid_kernel_with_bf16_io(grid_kernels):
     assert "bf16 in and out" in repr(model.proj) and "fp32 out" in repr(model.lm_head)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_activations_on_int8_layers_where_the_cpu_has_vnni(grid_kernels, dtype):
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.proj, model.lm_head = nn.Linear(64, 40), nn.Linear(64, 96, bias=False)
+    model.to(dtype)
+    stats = quantize_model_(model, "int8", int8_activations=True)
+    vnni = grid_kernels.q4_a8_tile() == "avx512_vnni"
+    assert stats["int8_activations"] == (2 if vnni else 0) and model.proj.int8_activations == vnni
+    if not vnni:
+        return
+    calls = []
+    real = grid_kernels.q8_a8_linear
+    model.proj.kernels = types.SimpleNamespace(**{name: getattr(grid_kernels, name) for name in (
+        "q8_linear", "q8_linear_bf16x", "q4_a8_tile")}, q8_a8_linear=lambda x, *a: calls.append(len(x)) or real(x, *a))
+    weight = model.proj.dequantize().double()
+    for rows in (1, q.INT8_A8_MIN_ROWS - 1, q.INT8_A8_MIN_ROWS, 300):  # int8 activations from INT8_A8_MIN_ROWS rows
+        x = torch.randn(rows, 64).to(dtype)
+        out = model.proj(x)
+        assert out.dtype == dtype and out.shape == (rows, 40)
+        ref = F.linear(x.double(), weight, model.proj.bias.double())
+        scale = F.linear(x.double().abs(), weight.abs(), model.proj.bias.double().abs())
+        # x rounded to int8 per 32 inputs: up to half a step (1/254 of a block's largest |x|) per value; bf16 output
+        bound = (2 / 127 if rows >= q.INT8_A8_MIN_ROWS else 0) + (2.0 ** -8 if dtype == torch.bfloat16 else 1e-5)
+        assert ((out.double() - ref).abs() <= bound * scale + 1e-6).all(), rows
+    assert calls == [q.INT8_A8_MIN_ROWS, 300]
+    assert "int8 activations" in repr(model.proj)
+
+
 # -- end to end: logprob drift of the greedy tokens against the unquantized engine ----------------------
 def _llama(path):
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -245,7 +274,8 @@ def _qwen3_5(path):
 METHODS = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
            "int4+a8": {"quantization": "int4", "activation_quantization": "int8"},
            "bf16": {"dtype": "bfloat16"}, "int4 bf16": {"dtype": "bfloat16", "quantization": "int4"},
-           "int8 bf16": {"dtype": "bfloat16", "quantization": "int8"}}
+           "int8 bf16": {"dtype": "bfloat16", "quantization": "int8"},
+           "int8+a8": {"quantization": "int8", "activation_quantization": "int8"}}
 
 
 def _drift(path: str, method: str, prompts, reference) -> list[float]:
@@ -293,6 +323,17 @@ def test_int8_drift_is_small_and_int4_bounded(drift):
     assert stats["int8"][0] < 0.04 and stats["int8"][1] < 0.15
     assert stats["int4"][0] < 0.3 and stats["int4"][1] < 1.5
     assert stats["int8"][0] < stats["int4"][0]
+
+
+def test_int8_activations_add_little_to_int8_drift(drift):
+    """--activation-quantization int8 on top of --quantization int8 (GridInt8Linear's q8_a8_linear where the CPU
+    has AVX512-VNNI; elsewhere the flag leaves int8 as it is). The teacher-forced steps run a row per request in
+    one batch, so the kernel takes them (more than INT8_A8_MIN_ROWS rows)."""
+    if "int8+a8" not in drift:
+        pytest.skip("no CPU kernels with SIMD tiles here")
+    int8, a8 = (sum(drift[m]) / len(drift[m]) for m in ("int8", "int8+a8"))
+    print(f"logprob drift, mean: int8 {int8:.3f}, int8 + int8 activations {a8:.3f}, max {max(drift['int8+a8']):.3f}")
+    assert a8 < 0.1 and max(drift["int8+a8"]) < 0.5
 
 
 def test_int8_activations_add_little_to_int4_drift(drift):

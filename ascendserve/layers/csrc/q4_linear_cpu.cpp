@@ -340,8 +340,10 @@ at::Tensor q4_unpack(const at::Tensor& q, const at::Tensor& scales, const at::Te
 constexpr int64_t kActBlock = 32;  // inputs per dx
 constexpr int kA8Rows = 4;         // x rows per register tile
 
-// x [M, K] -> qx [M, K] int8, dx and sx (the exact sum of x) [M, K/32]; rows split over the threads.
-void quantize_rows(const float* x, int64_t m_rows, int64_t k, int8_t* qx, float* dx, float* sx) {
+// x [M, K] -> qx [M, K] int8, dx and sx [M, K/32]; rows split over the threads. sx: the exact sum of x, or with
+// rounded_sums dx times the (exact, integer) sum of qx: what the 8-bit weights' +128 offset adds to a block (below).
+void quantize_rows(const float* x, int64_t m_rows, int64_t k, int8_t* qx, float* dx, float* sx,
+                   bool rounded_sums = false) {
   const int64_t blocks = k / kActBlock;
   at::parallel_for(0, m_rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * blocks; i < end * blocks; ++i) {
@@ -352,9 +354,13 @@ void quantize_rows(const float* x, int64_t m_rows, int64_t k, int8_t* qx, float*
         sum += src[j];
       }
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      for (int64_t j = 0; j < kActBlock; ++j) qx[i * kActBlock + j] = static_cast<int8_t>(std::nearbyint(src[j] * inv));
+      int32_t qsum = 0;
+      for (int64_t j = 0; j < kActBlock; ++j) {
+        qx[i * kActBlock + j] = static_cast<int8_t>(std::nearbyint(src[j] * inv));
+        qsum += qx[i * kActBlock + j];
+      }
       dx[i] = amax / 127.f;
-      sx[i] = sum;
+      sx[i] = rounded_sums ? dx[i] * static_cast<float>(qsum) : sum;
     }
   });
 }
@@ -394,6 +400,16 @@ void unpack_panel_a8(const uint8_t* q, int64_t k, uint8_t* w8) {
 #else
   unpack_panel_a8_portable(q, k, w8);
 #endif
+}
+
+// An 8-bit panel [K][32 outputs] (int8) as the tiles' bytes [K/4][32 outputs][4 inputs], each q + 128 (the sign bit
+// flipped): vpdpbusd multiplies unsigned bytes by signed ones, so the tile sums (q + 128) qx and the fold takes off
+// 128 dx sum(qx) with the "mins" -128 d (q8_a8_linear).
+void unpack_panel8_a8(const int8_t* q, int64_t k, uint8_t* w8) {
+  for (int64_t s = 0; s < k / 4; ++s)
+    for (int64_t j = 0; j < kPanel; ++j)
+      for (int t = 0; t < 4; ++t)
+        w8[(s * kPanel + j) * 4 + t] = static_cast<uint8_t>(q[(4 * s + t) * kPanel + j]) ^ 0x80;
 }
 
 struct A8Rows {
@@ -530,26 +546,48 @@ constexpr int kA8TileRows = kVnniRows;
 constexpr int kA8TileRows = kA8Rows;
 #endif
 
+// eight_bit: q is an 8-bit panel pack [N/32, K, 32] int8 with mins = -128 * scales (q8_a8_linear), else 4-bit.
 at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
-                     int64_t n, const c10::optional<at::Tensor>& bias, bool portable) {
-  const int64_t group = check_inputs(x, q, scales, mins, n, "q4_a8_linear");
+                     int64_t n, const c10::optional<at::Tensor>& bias, bool portable, bool eight_bit = false) {
+  const char* op = eight_bit ? "q8_a8_linear" : "q4_a8_linear";
+  int64_t group;
+  if (eight_bit) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+                ": x must be a contiguous fp32 [M, K] tensor");
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(2) == kPanel, op,
+                ": q must be [N/32, K, 32] int8");
+    TORCH_CHECK(x.size(1) == q.size(1), op, ": x has ", x.size(1), " columns, the weight ", q.size(1));
+    TORCH_CHECK(scales.dim() == 3 && scales.size(1) > 0, op, ": scales must be [N/32, K/G, 32] fp32");
+    group = q.size(1) / scales.size(1);
+    for (const at::Tensor* t : {&scales, &mins})
+      TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == q.size(0) &&
+                      t->size(1) == scales.size(1) && t->size(2) == kPanel && group * t->size(1) == q.size(1),
+                  op, ": scales and mins must be [N/32, K/G, 32] fp32");
+    ascendserve_panel::check_outputs(n, q.size(0), kPanel, op);
+  } else {
+    group = check_inputs(x, q, scales, mins, n, op);
+  }
   const int64_t m_rows = x.size(0), k = x.size(1), panels = q.size(0);
-  TORCH_CHECK(group % kActBlock == 0, "q4_a8_linear: the weight's block size ", group, " is not a multiple of 32");
-  const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "q4_a8_linear");
+  TORCH_CHECK(group % kActBlock == 0, op, ": the weight's block size ", group, " is not a multiple of 32");
+  const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, op);
   at::Tensor out = at::empty({m_rows, n}, x.options());
   if (m_rows == 0) return out;
   const int64_t blocks = k / kActBlock;
   std::vector<int8_t> qx(m_rows * k);
   std::vector<float> dx(m_rows * blocks), sx(m_rows * blocks);
-  quantize_rows(x.data_ptr<float>(), m_rows, k, qx.data(), dx.data(), sx.data());
-  const uint8_t* q_ptr = q.data_ptr<uint8_t>();
+  quantize_rows(x.data_ptr<float>(), m_rows, k, qx.data(), dx.data(), sx.data(), eight_bit);
+  const uint8_t* q_ptr = static_cast<const uint8_t*>(q.data_ptr());
   const float* d_ptr = scales.data_ptr<float>();
   const float* m_ptr = mins.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     std::vector<uint8_t> w8(k * kPanel);
     for (int64_t p = p_begin; p < p_end; ++p) {
-      (portable ? unpack_panel_a8_portable : unpack_panel_a8)(q_ptr + p * (k / 2) * kPanel, k, w8.data());
+      if (eight_bit) {
+        unpack_panel8_a8(reinterpret_cast<const int8_t*>(q_ptr) + p * k * kPanel, k, w8.data());
+      } else {
+        (portable ? unpack_panel_a8_portable : unpack_panel_a8)(q_ptr + p * (k / 2) * kPanel, k, w8.data());
+      }
       const float* d = d_ptr + p * (k / group) * kPanel;
       const float* mn = m_ptr + p * (k / group) * kPanel;
       const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
@@ -566,7 +604,7 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
           });
         } else
 #elif defined(__AVX2__) && defined(__FMA__)
-        if (!portable) {
+        if (!portable && !eight_bit) {  // vpmaddubsw's 16-bit pair sums overflow for bytes up to 255
           ascendserve_panel::with_tile_rows<kA8Rows>(rows, [&](auto r) {
             tile_a8_avx2<decltype(r)::value>(xr, w8.data(), d, mn, group, acc);
           });
@@ -588,6 +626,19 @@ at::Tensor q4_a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 at::Tensor q4_a8_linear_portable(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                                  const at::Tensor& mins, int64_t n, const c10::optional<at::Tensor>& bias) {
   return a8_linear(x, q, scales, mins, n, bias, true);
+}
+
+// The same for an 8-bit panel pack (GridInt8Linear, --activation-quantization int8): y = sum over blocks of
+// d dx sum((q + 128) qx) + (-128 d) (dx sum(qx)), the +128 that makes q an unsigned byte taken off exactly (integer
+// sums; mins = -128 * scales). On AVX512-VNNI's tile, else the portable one (AVX2's would saturate).
+at::Tensor q8_a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
+                        int64_t n, const c10::optional<at::Tensor>& bias) {
+  return a8_linear(x, q, scales, mins, n, bias, false, true);
+}
+
+at::Tensor q8_a8_linear_portable(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                                 const at::Tensor& mins, int64_t n, const c10::optional<at::Tensor>& bias) {
+  return a8_linear(x, q, scales, mins, n, bias, true, true);
 }
 
 // ---- bf16 activations (a model run in bf16 with --quantization int4) ----
@@ -715,6 +766,8 @@ TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("q4_unpack(Tensor q, Tensor scales, Tensor mins, int n) -> Tensor");
   m.def("q4_a8_linear(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
   m.def("q4_a8_linear_portable(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
+  m.def("q8_a8_linear(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
+  m.def("q8_a8_linear_portable(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
   m.def("q4_linear_bf16x(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias, bool bf16_out) "
         "-> Tensor");
   m.impl("q4_linear", c10::DispatchKey::CPU, TORCH_FN(q4_linear));
@@ -723,5 +776,7 @@ TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.impl("q4_linear_portable", c10::DispatchKey::CPU, TORCH_FN(q4_linear_portable));
   m.impl("q4_a8_linear", c10::DispatchKey::CPU, TORCH_FN(q4_a8_linear));
   m.impl("q4_a8_linear_portable", c10::DispatchKey::CPU, TORCH_FN(q4_a8_linear_portable));
+  m.impl("q8_a8_linear", c10::DispatchKey::CPU, TORCH_FN(q8_a8_linear));
+  m.impl("q8_a8_linear_portable", c10::DispatchKey::CPU, TORCH_FN(q8_a8_linear_portable));
   m.def("q4_a8_tile() -> str", &q4_a8_tile);
 }
