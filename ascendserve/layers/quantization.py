@@ -289,14 +289,12 @@ class GridInt8Linear(GridQuantLinear):
             return False
         self.int8_activations = True
         self.max_rows = 1 << 62
-        self.register_buffer("mins", -128 * self.scales, persistent=False)  # takes off the kernel's +128 byte offset
         self.weight_format = f"{self.weight_format}, int8 activations per 32 inputs from {INT8_A8_MIN_ROWS} rows"
         return True
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations and x.shape[0] >= INT8_A8_MIN_ROWS:
-            out = self.kernels.q8_a8_linear(x.float(), self.q, self.scales, self.mins, self.out_features,
-                                            self.kernel_bias())
+            out = self.kernels.q8_a8_linear(x.float(), self.q, self.scales, self.out_features, self.kernel_bias())
             return out.to(torch.bfloat16) if self.bf16_io and not self.fp32_out else out
         if not self.bf16_io:
             return self.kernels.q8_linear(x, self.q, self.scales, self.out_features, self.bias)

@@ -153,7 +153,7 @@ def test_bf16x_kernel_rejects_mismatched_inputs(kernels):
 @pytest.mark.parametrize("n,k", [(40, 64), (96, 256), (33, 1024)])
 def test_a8_kernel_is_the_fp32_product_of_the_int8_rounded_input(kernels, op, n, k):
     """x rounded to int8 per 32 inputs (dx = max |x| / 127); the 8-bit weights made unsigned bytes (+128) for
-    vpdpbusd and the offset taken off through the mins -128 d: the fp32 product of the two grids, to fp32 rounding."""
+    vpdpbusd and the offset taken off through -128 d: the fp32 product of the two grids, to fp32 rounding."""
     torch.manual_seed(n + k)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     d = torch.rand(n, k // 32) * 0.01
@@ -166,7 +166,17 @@ def test_a8_kernel_is_the_fp32_product_of_the_int8_rounded_input(kernels, op, n,
         amax = blocks.abs().amax(-1)  # the kernel's arithmetic, in fp32: qx = round(x * (127 / amax)), dx = amax / 127
         qx = torch.round(blocks * (127 / amax)[..., None])
         xq = (qx.double() * (amax / 127).double()[..., None]).view(rows, k)
-        out = getattr(kernels, op)(x, q_packed, scales, -128 * scales, n, bias)
+        out = getattr(kernels, op)(x, q_packed, scales, n, bias)
         ref = xq @ weight.T + bias.double()
         scale = xq.abs() @ weight.abs().T + bias.double().abs()
         assert out.dtype == torch.float32 and ((out.double() - ref).abs() <= 1e-5 * scale).all(), rows
+
+
+def test_a8_kernel_rejects_mismatched_inputs(kernels):
+    q, scales = pack_q8(torch.zeros(40, 64, dtype=torch.int8), torch.ones(40, 2))
+    with pytest.raises(RuntimeError, match="q8_a8_linear: x must be a contiguous fp32"):
+        kernels.q8_a8_linear(torch.randn(3, 64).bfloat16(), q, scales, 40, None)
+    with pytest.raises(RuntimeError, match="q8_a8_linear: x has 32 columns, the weight 64"):
+        kernels.q8_a8_linear(torch.randn(3, 32), q, scales, 40, None)
+    with pytest.raises(RuntimeError, match="q8_a8_linear: q must be"):
+        kernels.q8_a8_linear(torch.randn(3, 64), q.view(torch.uint8), scales, 40, None)

@@ -44,6 +44,23 @@ inline void check_outputs(int64_t n, int64_t panels, int64_t width, const char* 
   TORCH_CHECK(n > (panels - 1) * width && n <= panels * width, op, ": n=", n, " does not match ", panels, " panels");
 }
 
+// An 8-bit panel pack's block size G (pack_q8: q [N/32, K, 32] int8, scales [N/32, K/G, 32] fp32), after checking
+// it, that n outputs fill its panels and that x has its K columns: q8_linear_cpu.cpp's kernels and q8_a8_linear.
+inline int64_t check_q8_pack(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n,
+                             const char* op) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(2) == kPanel, op,
+              ": q must be [N/32, K, 32] int8");
+  const int64_t panels = q.size(0), k = q.size(1);
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == panels && scales.size(1) > 0 && scales.size(2) == kPanel,
+              op, ": scales must be [N/32, K/G, 32] fp32");
+  const int64_t groups = scales.size(1), group = k / groups;
+  TORCH_CHECK(group * groups == k, op, ": K=", k, " is not ", groups, " equal blocks");
+  check_outputs(n, panels, kPanel, op);
+  TORCH_CHECK(x.size(1) == k, op, ": x has ", x.size(1), " columns, the weight ", k);
+  return group;
+}
+
 // Rows per chunk for m_rows rows of row_bytes each: whole blocks of kRows rows holding at most about chunk_bytes
 // (at least one block), the chunks of about equal size, so that none is a sliver that streams the weight for a few
 // rows.

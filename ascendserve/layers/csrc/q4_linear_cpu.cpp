@@ -404,7 +404,7 @@ void unpack_panel_a8(const uint8_t* q, int64_t k, uint8_t* w8) {
 
 // An 8-bit panel [K][32 outputs] (int8) as the tiles' bytes [K/4][32 outputs][4 inputs], each q + 128 (the sign bit
 // flipped): vpdpbusd multiplies unsigned bytes by signed ones, so the tile sums (q + 128) qx and the fold takes off
-// 128 dx sum(qx) with the "mins" -128 d (q8_a8_linear).
+// 128 dx sum(qx) with -128 d in the minimum's place (q8_a8_linear).
 void unpack_panel8_a8(const int8_t* q, int64_t k, uint8_t* w8) {
   for (int64_t s = 0; s < k / 4; ++s)
     for (int64_t j = 0; j < kPanel; ++j)
@@ -546,7 +546,8 @@ constexpr int kA8TileRows = kVnniRows;
 constexpr int kA8TileRows = kA8Rows;
 #endif
 
-// eight_bit: q is an 8-bit panel pack [N/32, K, 32] int8 with mins = -128 * scales (q8_a8_linear), else 4-bit.
+// eight_bit: q is an 8-bit panel pack [N/32, K, 32] int8 and mins unused (q8_a8_linear: each panel's -128 d is made
+// here), else a 4-bit one.
 at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
                      int64_t n, const c10::optional<at::Tensor>& bias, bool portable, bool eight_bit = false) {
   const char* op = eight_bit ? "q8_a8_linear" : "q4_a8_linear";
@@ -554,16 +555,7 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   if (eight_bit) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
                 ": x must be a contiguous fp32 [M, K] tensor");
-    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(2) == kPanel, op,
-                ": q must be [N/32, K, 32] int8");
-    TORCH_CHECK(x.size(1) == q.size(1), op, ": x has ", x.size(1), " columns, the weight ", q.size(1));
-    TORCH_CHECK(scales.dim() == 3 && scales.size(1) > 0, op, ": scales must be [N/32, K/G, 32] fp32");
-    group = q.size(1) / scales.size(1);
-    for (const at::Tensor* t : {&scales, &mins})
-      TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == q.size(0) &&
-                      t->size(1) == scales.size(1) && t->size(2) == kPanel && group * t->size(1) == q.size(1),
-                  op, ": scales and mins must be [N/32, K/G, 32] fp32");
-    ascendserve_panel::check_outputs(n, q.size(0), kPanel, op);
+    group = ascendserve_panel::check_q8_pack(x, q, scales, n, op);
   } else {
     group = check_inputs(x, q, scales, mins, n, op);
   }
@@ -578,18 +570,22 @@ at::Tensor a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   quantize_rows(x.data_ptr<float>(), m_rows, k, qx.data(), dx.data(), sx.data(), eight_bit);
   const uint8_t* q_ptr = static_cast<const uint8_t*>(q.data_ptr());
   const float* d_ptr = scales.data_ptr<float>();
-  const float* m_ptr = mins.data_ptr<float>();
+  const float* m_ptr = eight_bit ? nullptr : mins.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     std::vector<uint8_t> w8(k * kPanel);
+    std::vector<float> offsets(eight_bit ? (k / group) * kPanel : 0);  // an 8-bit panel's -128 d
     for (int64_t p = p_begin; p < p_end; ++p) {
+      const float* d = d_ptr + p * (k / group) * kPanel;
+      const float* mn;
       if (eight_bit) {
         unpack_panel8_a8(reinterpret_cast<const int8_t*>(q_ptr) + p * k * kPanel, k, w8.data());
+        for (size_t i = 0; i < offsets.size(); ++i) offsets[i] = -128.f * d[i];
+        mn = offsets.data();
       } else {
         (portable ? unpack_panel_a8_portable : unpack_panel_a8)(q_ptr + p * (k / 2) * kPanel, k, w8.data());
+        mn = m_ptr + p * (k / group) * kPanel;
       }
-      const float* d = d_ptr + p * (k / group) * kPanel;
-      const float* mn = m_ptr + p * (k / group) * kPanel;
       const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
       const float* panel_bias = bias_ptr ? bias_ptr + p * kPanel : nullptr;
       const int tile_rows = portable ? kA8Rows : kA8TileRows;
@@ -630,15 +626,16 @@ at::Tensor q4_a8_linear_portable(const at::Tensor& x, const at::Tensor& q, const
 
 // The same for an 8-bit panel pack (GridInt8Linear, --activation-quantization int8): y = sum over blocks of
 // d dx sum((q + 128) qx) + (-128 d) (dx sum(qx)), the +128 that makes q an unsigned byte taken off exactly (integer
-// sums; mins = -128 * scales). On AVX512-VNNI's tile, else the portable one (AVX2's would saturate).
-at::Tensor q8_a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& mins,
-                        int64_t n, const c10::optional<at::Tensor>& bias) {
-  return a8_linear(x, q, scales, mins, n, bias, false, true);
+// sums; -128 d in the place of the 4-bit kernel's minimum). On AVX512-VNNI's tile, else the portable one (AVX2's would
+// saturate).
+at::Tensor q8_a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n,
+                        const c10::optional<at::Tensor>& bias) {
+  return a8_linear(x, q, scales, scales, n, bias, false, true);
 }
 
-at::Tensor q8_a8_linear_portable(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                                 const at::Tensor& mins, int64_t n, const c10::optional<at::Tensor>& bias) {
-  return a8_linear(x, q, scales, mins, n, bias, true, true);
+at::Tensor q8_a8_linear_portable(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n,
+                                 const c10::optional<at::Tensor>& bias) {
+  return a8_linear(x, q, scales, scales, n, bias, true, true);
 }
 
 // ---- bf16 activations (a model run in bf16 with --quantization int4) ----
@@ -766,8 +763,8 @@ TORCH_LIBRARY_FRAGMENT(ascendserve_cpu, m) {
   m.def("q4_unpack(Tensor q, Tensor scales, Tensor mins, int n) -> Tensor");
   m.def("q4_a8_linear(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
   m.def("q4_a8_linear_portable(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
-  m.def("q8_a8_linear(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
-  m.def("q8_a8_linear_portable(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias) -> Tensor");
+  m.def("q8_a8_linear(Tensor x, Tensor q, Tensor scales, int n, Tensor? bias) -> Tensor");
+  m.def("q8_a8_linear_portable(Tensor x, Tensor q, Tensor scales, int n, Tensor? bias) -> Tensor");
   m.def("q4_linear_bf16x(Tensor x, Tensor q, Tensor scales, Tensor mins, int n, Tensor? bias, bool bf16_out) "
         "-> Tensor");
   m.impl("q4_linear", c10::DispatchKey::CPU, TORCH_FN(q4_linear));

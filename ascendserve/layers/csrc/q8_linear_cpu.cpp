@@ -168,27 +168,11 @@ void tile_fast(int rows, const float* x, int64_t ldx, int64_t groups, const Q8Pa
 }
 #endif
 
-// The weight's block size G, after checking the pack (q [N/32, K, 32] int8, scales [N/32, K/G, 32] fp32, n within
-// its panels) and that x has its K columns.
-int64_t check_pack(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n, const char* op) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(2) == kPanel, op,
-              ": q must be [N/32, K, 32] int8");
-  const int64_t panels = q.size(0), k = q.size(1);
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == panels && scales.size(1) > 0 && scales.size(2) == kPanel,
-              op, ": scales must be [N/32, K/G, 32] fp32");
-  const int64_t groups = scales.size(1), group = k / groups;
-  TORCH_CHECK(group * groups == k, op, ": K=", k, " is not ", groups, " equal blocks");
-  ascendserve_panel::check_outputs(n, panels, kPanel, op);
-  TORCH_CHECK(x.size(1) == k, op, ": x has ", x.size(1), " columns, the weight ", k);
-  return group;
-}
-
 at::Tensor linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n,
                   const c10::optional<at::Tensor>& bias, bool portable) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "q8_linear: x must be a contiguous fp32 [M, K] tensor");
-  const int64_t group = check_pack(x, q, scales, n, "q8_linear");
+  const int64_t group = ascendserve_panel::check_q8_pack(x, q, scales, n, "q8_linear");
   const int64_t panels = q.size(0), k = q.size(1), groups = k / group;
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "q8_linear");
   const int64_t m_rows = x.size(0);
@@ -270,7 +254,7 @@ at::Tensor q8_linear_bf16x(const at::Tensor& x, const at::Tensor& q, const at::T
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "q8_linear_bf16x: x must be a contiguous bf16 [M, K] tensor");
 #if defined(ASCENDSERVE_Q8_DOT)
-  const int64_t group = check_pack(x, q, scales, n, "q8_linear_bf16x");
+  const int64_t group = ascendserve_panel::check_q8_pack(x, q, scales, n, "q8_linear_bf16x");
   TORCH_CHECK(group % 2 == 0, "q8_linear_bf16x: blocks of ", group, " inputs, not whole input pairs");
   const float* bias_ptr = ascendserve_panel::checked_bias(bias, n, "q8_linear_bf16x");
   const int64_t m_rows = x.size(0), k = q.size(1), panels = q.size(0), groups = k / group, kpairs = k / 2;
