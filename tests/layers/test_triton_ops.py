@@ -168,8 +168,10 @@ def test_bf16_chunked_products_stay_near_the_fp32_recurrence(kernels):
     (token, token_pool), (chunked, chunked_pool) = (
         (getattr(kernels, form)(x, ba, a_log, dt_bias, p, *meta, hk, dk, dv).float(), p)
         for form, p in (("gated_delta_rule_prefill", pool.clone()), ("chunk_gated_delta_rule", pool.clone())))
-    assert (chunked - token).abs().max() <= 0.03 * token.abs().max()
-    assert (chunked_pool - token_pool).abs().max() <= 0.03 * token_pool.abs().max()
+    out_error = float((chunked - token).abs().max() / token.abs().max())
+    state_error = float((chunked_pool - token_pool).abs().max() / token_pool.abs().max())
+    print(f"bf16 chunked vs fp32 token by token, of the largest value: output {out_error:.4f}, state {state_error:.4f}")
+    assert out_error <= 0.03 and state_error <= 0.03
 
 
 def test_delta_rule_kernels_reject_a_strided_state_pool(kernels):
