@@ -22,6 +22,7 @@ class _ChildState:
     sent_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    finish_sent: bool = False  # a DELTA output carried finish_reason (each child sends it once)
 
 
 @dataclass
@@ -127,7 +128,8 @@ class OutputProcessor:
             return None
         delta = kind == RequestOutputKind.DELTA
         completions = [self._completion(c, delta, finished) for c in parent.children
-                       if not delta or c.sent_tokens < c.request.num_output_tokens or c.finish_reason]
+                       if not delta or c.sent_tokens < c.request.num_output_tokens
+                       or (c.finish_reason and not c.finish_sent)]
         if finished:
             self.forget(parent.request_id)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
@@ -141,6 +143,7 @@ class OutputProcessor:
         if c.detokenizer is not None:
             text = c.detokenizer.get_next_output_text(c.finish_reason is not None, delta)
         logprobs = c.logprobs[start:] if c.logprobs is not None else None
+        c.finish_sent = c.finish_reason is not None
         return CompletionOutput(c.index, text, list(tokens[start:]), c.cumulative_logprob, logprobs,
                                 c.finish_reason, c.stop_reason)
 

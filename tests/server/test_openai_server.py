@@ -110,6 +110,31 @@ def test_n_and_seed(server):
     assert len(chat.choices) == 2
 
 
+def test_stream_n_sends_each_choice_finish_once(server):
+    """With n > 1 the choices finish at different steps; each sends its finish_reason in one chunk, and a finished
+    choice sends nothing more while its siblings go on (it did once a step until all were done)."""
+    client = server.client()
+    prompt = "Q: Is the sky blue? Answer yes or no.\nA:"
+    kwargs = dict(model=MODEL, max_tokens=12, n=3, temperature=1.0, seed=0, stop=["\n"])
+    cases = [(client.completions, dict(prompt=prompt), lambda choice: choice.text),
+             (client.chat.completions, dict(messages=[{"role": "user", "content": prompt}]),
+              lambda choice: choice.delta.content if hasattr(choice, "delta") else choice.message.content)]
+    for api, body, text_of in cases:
+        full = api.create(**kwargs, **body)
+        lengths = {len(text_of(c) or "") for c in full.choices}
+        assert len(lengths) > 1, "the choices should finish at different steps for this test to mean anything"
+        finishes = {i: [] for i in range(3)}
+        texts = {i: "" for i in range(3)}
+        for chunk in api.create(**kwargs, **body, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] += text_of(choice) or ""
+                if choice.finish_reason is not None:
+                    assert not finishes[choice.index], f"choice {choice.index} sent a chunk after its finish"
+                    finishes[choice.index].append(choice.finish_reason)
+        assert [finishes[c.index] for c in full.choices] == [[c.finish_reason] for c in full.choices]
+        assert [texts[c.index] for c in full.choices] == [text_of(c) or "" for c in full.choices]
+
+
 def test_stop_string(server):
     client = server.client()
     greedy = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=10, temperature=0)
