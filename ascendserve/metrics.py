@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from ascendserve.logger import init_logger
 
@@ -78,6 +78,7 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
                  device_type: str = "cuda") -> None:
+        disable_created_metrics()  # no `*_created` series, as vLLM (a process-wide switch of prometheus_client)
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         # The log line names where the KV cache lives, as vLLM's CPU build says "CPU KV cache usage"

@@ -110,8 +110,10 @@ class AsyncLLM:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences waiting for a slot, plus requests not yet handed to the engine."""
-        return self._stats.num_waiting + self._pending_adds
+        """Sequences waiting for a slot, with requests not yet handed to the engine, less the running slots
+        (`max_num_seqs`) still free: a burst that the next step starts at once waits for nothing."""
+        free = max(self.engine.scheduler.max_num_seqs - self._stats.num_running, 0)
+        return max(self._stats.num_waiting + self._pending_adds - free, 0)
 
     @property
     def scheduler_stats(self) -> SchedulerStats:

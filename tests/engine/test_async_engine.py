@@ -292,3 +292,23 @@ def test_the_interpreter_exits_while_the_loop_runs_on_the_model_thread():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_num_waiting_counts_only_what_the_free_slots_cannot_take(llm):
+    """max_num_seqs 8: eight requests added at once wait for nothing (the next step runs them all); a ninth and
+    tenth wait. --max-waiting-requests compares this number, so a burst that fits is never refused."""
+    async def run():
+        params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        streams = list(await asyncio.gather(*[llm.add_request(f"w{i}", "Once upon a time", params)
+                                              for i in range(8)]))
+        fitting = [llm.num_waiting]  # at once: queued in the scheduler, not yet stepped
+        await asyncio.sleep(0.5)
+        fitting.append(llm.num_waiting)  # running
+        streams += await asyncio.gather(*[llm.add_request(f"w{i}", "Once upon a time", params) for i in (8, 9)])
+        await asyncio.sleep(0.5)
+        over = llm.num_waiting
+        for stream in streams:
+            stream.abort()
+        await wait_idle(llm)
+        return fitting, over
+    assert asyncio.run(run()) == ([0, 0], 2)

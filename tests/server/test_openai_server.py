@@ -31,6 +31,7 @@ def test_health_version_models(server):
     assert httpx.get(server.url + "/version").json()["version"]
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["demo", "demo-alias"]
+    assert httpx.get(server.url + "/ping").status_code == httpx.post(server.url + "/ping").status_code == 200
 
 
 def test_api_key_required_on_v1_only(server):
@@ -39,9 +40,12 @@ def test_api_key_required_on_v1_only(server):
             r = http.request(method, path, json={"prompt": "x", "max_tokens": 1})
             assert r.status_code == 401, path
             assert r.json()["error"]["code"] == 401
+        for header in ("Bearer wrong", f"Basic {API_KEY}", "Bearer", f"Bearer{API_KEY}", ""):
+            r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": header})
+            assert r.status_code == 401, header
         r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                      headers={"Authorization": "Bearer wrong"})
-        assert r.status_code == 401
+                      headers={"Authorization": f"bearer {API_KEY}"})  # the scheme is case-insensitive
+        assert r.status_code == 200, r.text
         assert http.get("/health").status_code == 200
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -133,6 +137,29 @@ def test_stream_n_sends_each_choice_finish_once(server):
                     finishes[choice.index].append(choice.finish_reason)
         assert [finishes[c.index] for c in full.choices] == [[c.finish_reason] for c in full.choices]
         assert [texts[c.index] for c in full.choices] == [text_of(c) or "" for c in full.choices]
+
+
+def test_chat_tool_turn_with_null_content_and_vllm_content_parts(server):
+    """An assistant turn that only calls tools (`content: null`, or no content) renders as content "", as vLLM does;
+    content lists take bare strings and `input_text` parts. Each prompt is the one spelled with plain strings."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+    def turns(assistant: dict, user_content) -> list:
+        return [{"role": "user", "content": user_content}, {"role": "assistant", **assistant, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+    plain = turns({"content": ""}, "Weather in Paris?\nPlease.")
+    with server.http() as http:
+        expected = http.post("/tokenize", json={"messages": plain, "tools": TOOLS}).json()["tokens"]
+        for assistant, user_content in [({"content": None}, "Weather in Paris?\nPlease."),
+                                        ({}, ["Weather in Paris?", {"type": "input_text", "text": "Please."}])]:
+            messages = turns(assistant, user_content)
+            tokens = http.post("/tokenize", json={"messages": messages, "tools": TOOLS})
+            assert tokens.status_code == 200, tokens.text
+            assert tokens.json()["tokens"] == expected
+    out = server.client().chat.completions.create(model=MODEL, messages=turns({"content": None}, "Weather?"),
+                                                  tools=TOOLS, max_tokens=2)
+    assert out.choices[0].finish_reason in ("length", "stop", "tool_calls")
 
 
 def test_stop_string(server):
@@ -241,6 +268,7 @@ def test_metrics_present_and_moving(server):
                  "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count"]:
         assert name in names, name
     assert all('model_name="demo"' in k for k in before)
+    assert not [k for k in before if k.split("{")[0].endswith("_created")]  # vLLM exports none
     server.client().completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=4, temperature=0,
                                        extra_body={"ignore_eos": True})
     after = wait_until_idle(server)
@@ -281,8 +309,9 @@ def test_client_disconnect_non_streaming_frees_everything(server):
 
 
 def test_overload_gives_503_with_retry_after(server):
-    """--max-num-seqs 4 --max-waiting-requests 3: of 10 long concurrent requests, at least 3 get a 503."""
-    async def run():
+    """--max-num-seqs 4 --max-waiting-requests 3: a burst of 4 all run (the free slots take them: nothing waits);
+    of 10 long concurrent requests, at least 3 get a 503."""
+    async def run(count: int):
         async with httpx.AsyncClient(base_url=server.url, timeout=60,
                                      headers={"Authorization": f"Bearer {API_KEY}"}) as http:
             async def one():
@@ -293,8 +322,11 @@ def test_overload_gives_503_with_retry_after(server):
                     async for _ in r.aiter_lines():
                         await asyncio.sleep(3)  # hold the slot for a while, then go away
                         return 200, None, None
-            return await asyncio.gather(*[one() for _ in range(10)])
-    results = asyncio.run(run())
+            return await asyncio.gather(*[one() for _ in range(count)])
+    wait_until_idle(server, timeout_s=60)
+    assert [r[0] for r in asyncio.run(run(4))] == [200] * 4
+    wait_until_idle(server, timeout_s=60)
+    results = asyncio.run(run(10))
     rejected = [r for r in results if r[0] == 503]
     assert len(rejected) >= 3, results
     assert all(r[1] and r[2]["error"]["code"] == 503 for r in rejected)

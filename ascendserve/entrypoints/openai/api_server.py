@@ -52,6 +52,10 @@ def build_app(engine, models: ServingModels, options: ServerOptions, *, metrics=
             return error_response("The engine loop has failed.", 503)
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():  # vLLM's SageMaker-style health check: /health's answer
+        return await health()
+
     @app.get("/version")
     async def version():
         return {"version": __version__}
@@ -106,15 +110,17 @@ async def _log_stats_forever(metrics, interval: float) -> None:
 
 
 def _install_api_key_check(app: FastAPI, keys: list[str]) -> None:
-    """Every /v1 route needs `Authorization: Bearer <key>` (as vLLM: /health, /metrics stay open)."""
-    expected = [f"Bearer {key}".encode() for key in keys]
+    """Every /v1 route needs `Authorization: Bearer <key>` (as vLLM: /health, /metrics stay open); the scheme's
+    case does not matter (RFC 7235: `bearer <key>` too)."""
+    expected = [key.encode() for key in keys]
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
         if request.method == "OPTIONS" or not request.url.path.startswith("/v1"):
             return await call_next(request)
-        given = request.headers.get("authorization", "").encode()
-        if not any(hmac.compare_digest(given, e) for e in expected):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.encode() if scheme.lower() == "bearer" else b""
+        if not given or not any(hmac.compare_digest(given, e) for e in expected):
             return JSONResponse({"error": {"message": "Unauthorized: a valid API key is required "
                                                       "(Authorization: Bearer <key>).",
                                            "type": "AuthenticationError", "param": None, "code": 401}},

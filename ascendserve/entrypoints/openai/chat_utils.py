@@ -33,14 +33,17 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
-    """Text parts joined into strings, tool-call arguments parsed to objects (what templates expect)."""
+    """Text parts joined into strings, a null or missing content made "" (an assistant turn that only calls
+    tools sends `"content": null`), tool-call arguments parsed to objects (what templates expect)."""
     out = []
     for i, message in enumerate(messages):
         message = dict(message)
         content = message.get("content")
-        if isinstance(content, list):
+        if content is None:
+            message["content"] = ""
+        elif isinstance(content, list):
             message["content"] = _join_text_parts(content, i)
-        elif content is not None and not isinstance(content, str):
+        elif not isinstance(content, str):
             raise OpenAIError(f"messages[{i}].content must be a string or a list of content parts, "
                               f"got {type(content).__name__}", 400, param=f"messages[{i}].content")
         if message.get("tool_calls"):
@@ -53,7 +56,9 @@ def _join_text_parts(parts: list, index: int) -> str:
     texts = []
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
+        if isinstance(part, str):  # a bare string part, as vLLM takes it
+            texts.append(part)
+        elif kind in ("text", "input_text", "output_text"):  # the last two: the Responses API's names
             texts.append(str(part.get("text", "")))
         elif kind in ("image_url", "input_image", "image", "video_url", "input_audio", "audio_url"):
             raise OpenAIError(f"messages[{index}].content has a {kind!r} part, but this model accepts text "
