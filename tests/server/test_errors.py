@@ -108,3 +108,29 @@ def test_official_client_raises_bad_request(server):
     with pytest.raises(openai.BadRequestError) as info:
         server.client().completions.create(model=MODEL, prompt="x", temperature=5.5, max_tokens=10**6)
     assert info.value.status_code == 400
+
+
+@pytest.mark.parametrize("body, param, contains", [
+    ({}, "prompt", ("'prompt' is a required field",)),
+    ({"messages": []}, "messages", ("'messages'", "at least 1 item")),
+    ({"messages": None}, "messages", ("'messages'",)),
+    ({"prompt": 5}, "prompt", ("'prompt'",)),
+])
+def test_tokenize_errors_name_the_field(http, body, param, contains):
+    error = check_error(http.post("/tokenize", json=body), 400, param=param, contains=contains)
+    assert "prompt.prompt" not in error["message"] and "Tokenize" not in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("kwargs, got", [
+    ({"content": b'{"prompt": "x"}', "headers": {"Content-Type": "text/plain"}}, "not application/json"),
+    ({"content": b"prompt=x", "headers": {"Content-Type": "application/x-www-form-urlencoded"}},
+     "not application/json"),
+    ({}, "no body"),
+    ({"json": ["x"]}, "an array"),
+    ({"json": "x"}, "a string"),
+])
+def test_body_must_be_a_json_object(http, path, kwargs, got):
+    error = check_error(http.post(path, **kwargs), 400,
+                        contains=("request body must be a JSON object", "application/json", got))
+    assert "valid dictionary" not in error["message"]

@@ -64,6 +64,9 @@ def format_validation_error(errors: list[dict]) -> tuple[str, str | None]:
         message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         # A union of models (tool_choice, tokenize) reports the branch name; keep the field path only.
         loc = [p for p in loc if not _is_branch_name(p)]
+        if not loc and err.get("type") in _BODY_ERRORS:
+            parts.append(_body_problem(err))
+            continue
         param = ".".join(loc) or _leading_field(message)
         first_param = first_param or param
         if param and err.get("type") == "missing":
@@ -77,6 +80,24 @@ def format_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(unique) or "invalid request", first_param
 
 
+# What pydantic reports when the body as a whole is not an object (FastAPI hands a non-JSON body over as bytes).
+_BODY_ERRORS = {"missing", "model_attributes_type", "model_type", "dict_type"}
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def _body_problem(err: dict) -> str:
+    """The message for a body that is absent, not JSON, or JSON but not an object."""
+    value = err.get("input")
+    if err.get("type") == "missing":
+        got = "no body"
+    elif isinstance(value, bytes | bytearray):
+        got = "a body that is not application/json"
+    else:
+        got = f"{_JSON_KINDS.get(type(value), type(value).__name__)} in JSON"
+    return f"The request body must be a JSON object, sent with Content-Type: application/json; got {got}."
+
+
 def _leading_field(message: str) -> str | None:
     """The request field a model-level message starts with ("tool_choice names ..." -> "tool_choice")."""
     first = message.split(" ", 1)[0]
@@ -88,7 +109,7 @@ def _is_branch_name(part: str) -> bool:
 
 
 def _short(value) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    text = json.dumps(value, default=repr) if not isinstance(value, str) else repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 

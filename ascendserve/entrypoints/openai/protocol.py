@@ -338,6 +338,8 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the last k tokens of the rendered prompt; -1: max_model_len
+    prompt_logprobs: int | None = None  # not supported: a 400 when set
 
     @field_validator("messages")
     @classmethod
@@ -353,6 +355,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs requires logprobs to be true.")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+        _check_prompt_options(self)
         self._resolve_tool_choice()
         return self
 
@@ -388,6 +391,10 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0)  # upper bound: the server's --max-logprobs
     suffix: str | None = None
     add_special_tokens: bool = True
+    # vLLM extensions
+    best_of: int | None = None  # vLLM's V1 engine dropped it: only None or n is accepted
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: max_model_len
+    prompt_logprobs: int | None = None  # not supported: a 400 when set
 
     @field_validator("prompt")
     @classmethod
@@ -403,8 +410,26 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported by this server.")
         return suffix
 
+    @model_validator(mode="after")
+    def _check_completion_fields(self):
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError(f"best_of is not supported by this server (got best_of={self.best_of}, "
+                             f"n={self.n or 1}); use n to get several completions.")
+        _check_prompt_options(self)
+        return self
+
     def _sampling_logprobs(self) -> int | None:
         return self.logprobs
+
+
+def _check_prompt_options(request: ChatCompletionRequest | CompletionRequest) -> None:
+    """vLLM's prompt extensions that chat and completions share: truncate_prompt_tokens and prompt_logprobs."""
+    k = request.truncate_prompt_tokens
+    if k is not None and k < 1 and k != -1:
+        raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 for the model's max_model_len; got {k}.")
+    if request.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs is not supported by this server: it does not compute the logprobs of "
+                         "prompt tokens.")
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -431,13 +456,22 @@ class TokenizeChatRequest(OpenAIBaseModel):
 
 
 def _tokenize_kind(body: Any) -> str:
-    """"chat" for a /tokenize body with messages, else "prompt": the one model it is validated against (a plain union
-    tried both, and the chat model's check logged `prompt` as an ignored field on every prompt request)."""
-    return "chat" if (body.get("messages") if isinstance(body, dict) else hasattr(body, "messages")) else "prompt"
+    """The one model a /tokenize body is validated against: the chat one when it has `messages` and no `prompt`.
+
+    A plain union tried both, and the chat model's check logged `prompt` as an ignored field on every prompt
+    request. The tags are the class names, which errors.py drops from an error's field path: `{}` is "'prompt' is
+    a required field", `{"messages": []}` names `messages`.
+    """
+    if isinstance(body, dict):
+        chat = "messages" in body and "prompt" not in body
+    else:
+        chat = hasattr(body, "messages")
+    return "TokenizeChatRequest" if chat else "TokenizeCompletionRequest"
 
 
-TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("prompt")]
-                            | Annotated[TokenizeChatRequest, Tag("chat")], Discriminator(_tokenize_kind)]
+TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+                            | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+                            Discriminator(_tokenize_kind)]
 
 
 class TokenizeResponse(OpenAIBaseModel):

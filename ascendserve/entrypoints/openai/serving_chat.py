@@ -127,7 +127,7 @@ class OpenAIServingChat(OpenAIServing):
         model = self.admit(request)
         prefix = self._check_tool_choice(request)
         prompt_text = self._render(request, prefix)
-        prompt_ids = self.tokenize(prompt_text, request.add_special_tokens)
+        prompt_ids = self.truncate_prompt(request, self.tokenize(prompt_text, request.add_special_tokens))
         params = self.sampling_params(request, len(prompt_ids), "messages")
         if prefix:  # one forced call, then stop (the parser closes what the stop string cut)
             params.stop = [*params.stop, *TOOL_CALL_OPENINGS[self.options.tool_call_parser][2]]

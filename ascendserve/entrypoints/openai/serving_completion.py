@@ -52,10 +52,12 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         out = []
         for item in items:
-            if isinstance(item, str):
-                out.append((item, self.tokenize(item, request.add_special_tokens)))
-            else:
-                out.append((None, list(item)))  # decoded only for echo, once the engine checked the ids
+            text = item if isinstance(item, str) else None
+            ids = self.tokenize(text, request.add_special_tokens) if text is not None else list(item)
+            kept = self.truncate_prompt(request, ids)
+            # A text prompt that lost tokens echoes what the model saw; token ids are decoded only for echo, once
+            # the engine checked them.
+            out.append((text if len(kept) == len(ids) else None, kept))
         return out
 
     def _echo(self, request: CompletionRequest, prompts, prompt_index: int) -> str:
@@ -98,12 +100,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 for c in output.outputs:
                     index = i * n + c.index
                     choice = choices[index]
-                    text = c.text
+                    echo = ""
                     if not choice.started:
                         choice.started = True
-                        text = self._echo(request, prompts, i) + text
-                    offset = len(choice.text)
-                    choice.text += c.text
+                        echo = self._echo(request, prompts, i)
+                    text = echo + c.text
+                    # choice.text is the choice's returned text so far, echo included: text_offset counts from
+                    # its start, so a token's offset is the same as in the non-streaming response.
+                    offset = len(choice.text) + len(echo)
+                    choice.text += text
                     choice.token_ids += c.token_ids
                     if not text and not c.token_ids and c.finish_reason is None:
                         continue

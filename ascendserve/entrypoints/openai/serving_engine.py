@@ -81,6 +81,21 @@ class OpenAIServing:
                               "send token ids, not text.", 400, param="prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def truncate_prompt(self, request, token_ids: list[int]) -> list[int]:
+        """The prompt the engine sees under vLLM's `truncate_prompt_tokens` k: its last k ids (left truncation,
+        before the context-length check), all of them when k is unset; -1 means k = max_model_len.
+
+        [5, 6, 7, 8] with k=2 -> [7, 8]; a k above max_model_len is a 400 even for a shorter prompt (as vLLM).
+        """
+        k = getattr(request, "truncate_prompt_tokens", None)
+        if k is None:
+            return token_ids
+        if k > self.max_model_len:
+            raise OpenAIError(f"truncate_prompt_tokens ({k}) is greater than this model's maximum context length "
+                              f"({self.max_model_len}); use a smaller value, or -1 for {self.max_model_len}.", 400,
+                              param="truncate_prompt_tokens")
+        return token_ids[-(self.max_model_len if k == -1 else k):]
+
     def sampling_params(self, request, num_prompt_tokens: int, input_name: str) -> SamplingParams:
         """SamplingParams (DELTA outputs) after the context-length and logprobs checks; 400 on a bad value."""
         limit = self.max_model_len
