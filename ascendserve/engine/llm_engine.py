@@ -12,6 +12,7 @@ from ascendserve.engine.output_processor import OutputProcessor
 from ascendserve.engine.request import Request, RequestStatus
 from ascendserve.engine.sampling_params import SamplingParams
 from ascendserve.engine.scheduler import Scheduler, SchedulerOutput
+from ascendserve.engine.structured_output import GrammarCompiler
 from ascendserve.engine.state_cache_manager import StateCacheManager
 from ascendserve.logger import init_logger
 
@@ -55,6 +56,7 @@ class LLMEngine:
                                    config.args.enable_chunked_prefill, self.state_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = config.hf_config.get_text_config().vocab_size
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         self._in_flight: tuple[SchedulerOutput, Future] | None = None
         logger.info("Engine ready in %.1f s: %s, dtype %s, device %s, max_model_len %d",
@@ -98,6 +100,11 @@ class LLMEngine:
         children = [Request(f"{i}_{request_id}" if params.n > 1 else request_id, token_ids,
                             _child_params(params, i), self.eos_token_ids, max_tokens, arrival_time, text)
                     for i in range(params.n)]
+        if params.structured_outputs is not None:
+            grammars = self.grammar_compiler.compile(params.structured_outputs, params.n,
+                                                     params.structured_outputs_wait_for)
+            for child, grammar in zip(children, grammars):
+                child.grammar = grammar
         self.output_processor.add_request(request_id, text, children)
         for child in children:
             self.scheduler.add_request(child)

@@ -71,6 +71,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
         self.first_scheduled_time: float | None = None
+        self.grammar = None  # structured outputs: a GrammarState that consumes every generated token
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +92,8 @@ class Request:
         """Record one sampled token."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def is_finished(self) -> bool:
         """True once the request reached a terminal state."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from functools import cached_property
 
+from ascendserve.engine.structured_output import StructuredOutputsParams
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -63,6 +64,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # A grammar the output follows (ascendserve.engine.structured_output.StructuredOutputsParams), as vLLM's
+    # `structured_outputs`; `structured_outputs_wait_for`: a token id (a reasoning model's </think>) after which it starts
+    structured_outputs: StructuredOutputsParams | None = None
+    structured_outputs_wait_for: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Characters the detokenizer holds back so that a stop string is never streamed out.
     output_text_buffer_length: int = field(default=0, init=False)
@@ -93,6 +98,8 @@ class SamplingParams:
             self.logit_bias = _to_logit_bias(self.logit_bias)
         if self.stop and not self.include_stop_str_in_output:
             self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
+        if isinstance(self.structured_outputs, dict):  # vLLM's dict form: {"json": {...}} etc.
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     def _verify_args(self) -> None:
         _check_int("n", self.n)

@@ -255,6 +255,9 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
                 return True
+        if request.grammar is not None and request.grammar.ended:  # structured output complete
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
             return True

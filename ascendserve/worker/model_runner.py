@@ -155,7 +155,7 @@ class ModelRunner:
                 logits_rows.append(end)
                 req = s.request
                 sampling.append((s.request_id, SamplingRow(
-                    req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids)))
+                    req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids, req.grammar)))
         return PreparedStep(sched, positions, meta, state_meta, logits_rows, sampling, graph_plan)
 
     @torch.inference_mode()

@@ -1,6 +1,7 @@
 """Turns a batch of logits into next tokens, in vLLM v1's order.
 
 Per row, on float32 copies of the logits:
+  0. structured outputs: the tokens the row's grammar does not allow next -> -inf
   1. allowed_token_ids: every other token -> -inf
   2. logit_bias: added
   3. min_tokens: eos (unless ignore_eos) and stop_token_ids -> -inf while len(output) < min_tokens
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ascendserve.engine.sampling_params import SamplingParams
+from ascendserve.engine.structured_output import apply_grammar_masks
 from ascendserve.layers import cpu_kernels
 
 _NEG_INF = float("-inf")
@@ -32,6 +34,8 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     # Masked while len(output_token_ids) < params.min_tokens, unless params.ignore_eos.
     eos_token_ids: frozenset[int] = frozenset()
+    # Structured outputs: the request's GrammarState (read when the step samples: it has seen every earlier token).
+    grammar: object | None = None
 
 
 @dataclass
@@ -126,7 +130,9 @@ class Sampler:
 
 
 def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Apply allowed_token_ids, logit_bias, min_tokens and penalties to float32 logits in place."""
+    """Apply grammars, allowed_token_ids, logit_bias, min_tokens and penalties to float32 logits in place."""
+    if any(row.grammar is not None for row in rows):
+        apply_grammar_masks(logits, [row.grammar for row in rows])
     _apply_allowed_token_ids(logits, rows)
     _apply_logit_bias(logits, rows)
     _apply_min_tokens(logits, rows)
@@ -283,7 +289,8 @@ def plain_greedy_without_logprobs(rows: Sequence[SamplingRow]) -> bool:
 def _is_plain_greedy(row: SamplingRow) -> bool:
     params = row.params
     return (params.is_greedy and not _has_penalty(params) and not params.logit_bias
-            and params.allowed_token_ids is None and not _min_tokens_banned(row))
+            and params.allowed_token_ids is None and not _min_tokens_banned(row)
+            and (row.grammar is None or not row.grammar.active))
 
 
 def _has_penalty(params: SamplingParams) -> bool:

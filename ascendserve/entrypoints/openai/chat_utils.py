@@ -8,15 +8,70 @@ from ascendserve.entrypoints.openai.errors import OpenAIError
 # Strings that mark a --chat-template value as a template rather than a file name.
 _JINJA_MARKERS = ("{{", "{%")
 
-# Per tool-call parser: the text that opens a call to `name`, the opening that lets the model pick the
-# name, and where generation stops after the call. A forced `tool_choice` appends an opening to the
-# prompt and stops after one call, so the output is exactly one call, as vLLM's guided decoding gives.
+# Per tool-call parser: the text that opens a call to `name` (a format string), the opening that lets the model pick
+# the name (plain text), and where generation stops after the call. A forced `tool_choice` appends an opening to the
+# prompt, holds the rest to the tools' schemas (forced_call_grammar) and stops after one call: the output is exactly one
+# call, as vLLM's guided decoding gives.
 TOOL_CALL_OPENINGS = {
     "qwen3_coder": ("<tool_call>\n<function={name}>\n", "<tool_call>\n<function=",
                     ("</function>", "<function=", "</tool_call>")),
-    "hermes": ('<tool_call>\n{{"name": "{name}", "arguments": ', '<tool_call>\n{{"name": "',
+    "hermes": ('<tool_call>\n{{"name": "{name}", "arguments": ', '<tool_call>\n{"name": "',
                ("</tool_call>", "<tool_call>")),
 }
+
+
+def forced_call_grammar(parser: str, tools: list[dict], name: str | None) -> str:
+    """The Lark grammar (llguidance's dialect) of what a forced call's opening (TOOL_CALL_OPENINGS) leaves to the model:
+    for `name` its arguments, else (tool_choice "required" over several tools) a tool's name and then its arguments,
+    up to the call's end. `tools` are the request's function definitions ({"name", "parameters"}). hermes: the
+    arguments as a JSON object of the function's parameter schema; qwen3_coder: `<parameter=NAME>` blocks of the
+    schema's properties, strings as raw text (anything up to the block's end), other types as JSON of their schema."""
+    schemas = {tool["name"]: tool.get("parameters") or {"type": "object"} for tool in tools}
+    rules = []
+
+    def arguments(i: int, tool: str) -> str:
+        if parser == "hermes":
+            return f"%json {json.dumps(schemas[tool])} {_lark('}' + chr(10) + '</tool_call>')}"
+        return f"{_coder_params(schemas[tool], f'p{i}', rules)} {_lark('</function>')}"
+
+    if name is not None:
+        rules.append(f"start: {arguments(0, name)}")
+    else:
+        after_name = '", "arguments": ' if parser == "hermes" else ">\n"
+        for i, tool in enumerate(schemas):
+            rules.append(f"call_{i}: {_lark(tool + after_name)} {arguments(i, tool)}")
+        rules.append("start: " + " | ".join(f"call_{i}" for i in range(len(schemas))))
+    if parser != "hermes":  # a raw-text value: the shortest text that ends its block
+        rules.append(r"coder_text[lazy]: /(.|\n)*\n<\/parameter>\n/")
+    return "\n".join(rules) + "\n"
+
+
+def _coder_params(schema: dict, prefix: str, rules: list[str]) -> str:
+    """qwen3_coder's parameter blocks of one function (a rule per property, added to `rules`): any of them, in any
+    order, as the parser takes them; with no properties in the schema, any parameter name."""
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    if not properties:
+        rules.append(f'{prefix}_any: "<parameter=" /[^>\\n]+/ ">\\n" coder_text')
+        return f"{prefix}_any*"
+    names = []
+    for j, (prop, prop_schema) in enumerate(properties.items()):
+        opening = _lark(f"<parameter={prop}>\n")
+        if isinstance(prop_schema, dict) and prop_schema.get("type") in _JSON_VALUE_TYPES:
+            value = f"%json {json.dumps(prop_schema)} {_lark(chr(10) + '</parameter>' + chr(10))}"
+        else:  # a string (or a schema of several types): the raw text
+            value = "coder_text"
+        rules.append(f"{prefix}_{j}: {opening} {value}")
+        names.append(f"{prefix}_{j}")
+    return "(" + " | ".join(names) + ")*"
+
+
+# qwen3_coder parameter types written as JSON (the parser converts them with json.loads); others are raw text
+_JSON_VALUE_TYPES = ("integer", "number", "boolean", "object", "array", "null")
+
+
+def _lark(text: str) -> str:
+    """A Lark string literal of `text`."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from ascendserve.engine.structured_output import StructuredOutputsParams
 from ascendserve.logger import init_logger
 
 if TYPE_CHECKING:
@@ -118,10 +119,21 @@ class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
 
 
 class ResponseFormat(OpenAIBaseModel):
-    """OpenAI's response_format (accepted; not enforced by this engine yet)."""
+    """OpenAI's response_format: `json_object` (any JSON object) or `json_schema` ({"name", "schema", "strict"}),
+    enforced by structured outputs; `text` is no constraint. vLLM's `structural_tag` is refused (not implemented)."""
 
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_format(self):
+        if self.type == "structural_tag":
+            raise ValueError("response_format type 'structural_tag' is not supported by this server; use "
+                             "'json_schema' or 'json_object'.")
+        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
+            raise ValueError('response_format type \'json_schema\' needs json_schema.schema, a JSON schema object: '
+                             '{"type": "json_schema", "json_schema": {"name": "...", "schema": {...}}}')
+        return self
 
 
 class FunctionCall(OpenAIBaseModel):
@@ -262,12 +274,59 @@ class _SamplingRequest(OpenAIBaseModel):
     echo: bool = False
     priority: int = 0
     request_id: str = Field(default_factory=random_uuid)
+    # Structured outputs (vLLM): {"json" | "regex" | "choice" | "grammar" | "json_object": ...}, or the older guided_*
+    # fields; guided_decoding_backend and guided_whitespace_pattern are accepted and have no effect (one backend here)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true.")
         return self
+
+    @model_validator(mode="after")
+    def _check_structured_outputs(self):
+        self.structured_outputs_params()  # a bad combination is a 400 here, naming the fields
+        return self
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from whichever field names one (at most one may)."""
+        given = {}
+        if self.response_format is not None and self.response_format.type == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif self.response_format is not None and self.response_format.type == "json_schema":
+            given["response_format"] = {"json": self.response_format.json_schema["schema"]}
+        if self.structured_outputs:
+            given["structured_outputs"] = self.structured_outputs
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given[f"guided_{name}"] = {name: value}
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} each constrain the output; give one of them.")
+        (field, spec), = given.items()
+        self._structured_outputs_field = field
+        unknown = sorted(set(spec) - set(StructuredOutputsParams.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"{field}: unknown constraint {unknown}; expected one of json, regex, choice, grammar, "
+                             f"json_object.")
+        try:
+            return StructuredOutputsParams(**spec)
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from None
+
+    @property
+    def structured_outputs_field(self) -> str | None:
+        """The request field the output constraint came from (for error messages), or None."""
+        return getattr(self, "_structured_outputs_field", None)
 
     def _requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -315,6 +374,7 @@ class _SamplingRequest(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=self.structured_outputs_params(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 

@@ -5,7 +5,8 @@ import time
 from fastapi import Request
 
 from ascendserve.engine.outputs import Logprob
-from ascendserve.entrypoints.openai.chat_utils import TOOL_CALL_OPENINGS, render_chat
+from ascendserve.engine.structured_output import StructuredOutputsParams
+from ascendserve.entrypoints.openai.chat_utils import TOOL_CALL_OPENINGS, forced_call_grammar, render_chat
 from ascendserve.entrypoints.openai.errors import OpenAIError
 from ascendserve.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                      ChatCompletionLogProbsContent, ChatCompletionRequest,
@@ -129,12 +130,15 @@ class OpenAIServingChat(OpenAIServing):
         prompt_text = self._render(request, prefix)
         prompt_ids = self.truncate_prompt(request, self.tokenize(prompt_text, request.add_special_tokens))
         params = self.sampling_params(request, len(prompt_ids), "messages")
-        if prefix:  # one forced call, then stop (the parser closes what the stop string cut)
+        if prefix:  # one forced call, its arguments held to the tool's schema, then stop
             params.stop = [*params.stop, *TOOL_CALL_OPENINGS[self.options.tool_call_parser][2]]
+            params.structured_outputs = self._forced_call_grammar(request)
+        elif params.structured_outputs is not None:
+            params.structured_outputs_wait_for = self._reasoning_end_token(request, prompt_ids)
         request_id = f"chatcmpl-{random_uuid()}"
         parsers = [self._choice_parser(request, prompt_ids, prefix) for _ in range(request.n or 1)]
         stream = await self.add(request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params,
-                                "messages")
+                                "messages", request.structured_outputs_field or "tool_choice")
         if request.stream:
             return SSEResponse(self._stream(request, model, request_id, prompt_ids, stream, parsers), [stream])
         try:
@@ -166,6 +170,29 @@ class OpenAIServingChat(OpenAIServing):
             return opening
         name = choice.function.name if not isinstance(choice, str) else request.tools[0].function.name
         return named.format(name=name)
+
+    def _forced_call_grammar(self, request: ChatCompletionRequest) -> StructuredOutputsParams:
+        """`required` / named tool_choice: the grammar that holds the rest of the forced call to the tools' schemas
+        (the name to one of them, the arguments to its parameters), as vLLM's guided decoding does."""
+        if request.structured_outputs_field is not None:
+            raise OpenAIError(f"tool_choice {request._tool_choice_text()} already constrains the output to a tool call; "
+                              f"{request.structured_outputs_field} cannot be given with it.", 400,
+                              param=request.structured_outputs_field)
+        choice, tools = request.tool_choice, [tool.function for tool in request.tools]
+        if not isinstance(choice, str):
+            name = choice.function.name
+        else:  # "required": one tool is named in the opening, several are left to the grammar
+            name = tools[0].name if len(tools) == 1 else None
+        definitions = [{"name": t.name, "parameters": t.parameters} for t in tools if name is None or t.name == name]
+        return StructuredOutputsParams(grammar=forced_call_grammar(self.options.tool_call_parser, definitions, name))
+
+    def _reasoning_end_token(self, request: ChatCompletionRequest, prompt_ids: list[int]) -> int | None:
+        """Structured outputs leave a reasoning model's thinking free: the token that ends it, where the prompt leaves
+        it open and the server has a reasoning parser (vLLM's rule), else None (constrained from the first token)."""
+        if self.reasoning_parser_cls is None or request.continue_final_message:
+            return None
+        parser = self.reasoning_parser_cls(self.tokenizer, request.chat_template_kwargs)
+        return None if parser.is_reasoning_end(prompt_ids) else getattr(parser, "end_token_id", None)
 
     def _render(self, request: ChatCompletionRequest, prefix: str) -> str:
         if request.chat_template is not None and not self.options.trust_request_chat_template:
@@ -220,7 +247,7 @@ class OpenAIServingChat(OpenAIServing):
         result = []
         for index, (choice, parser) in enumerate(zip(choices, parsers)):
             message = parser.parse(choice.text)
-            self._check_forced_call(request, parser, [c.function.name for c in message.tool_calls])
+            self._check_forced_call(request, parser, [c.function.name for c in message.tool_calls], choice.finish_reason)
             if self._echo(request):
                 message.content = self._echo(request) + (message.content or "")
             finish = _finish_reason(choice.finish_reason, bool(message.tool_calls))
@@ -232,10 +259,13 @@ class OpenAIServingChat(OpenAIServing):
                           total_tokens=len(prompt_ids) + num_generated)
         return ChatCompletionResponse(id=request_id, model=model, choices=result, usage=usage)
 
-    def _check_forced_call(self, request, parser: ChatChoiceParser, names: list[str]) -> None:
-        """`required` / named tool_choice: a reply without a call to a given tool is an error, never text."""
+    def _check_forced_call(self, request, parser: ChatChoiceParser, names: list[str],
+                           finish_reason: str | None) -> None:
+        """`required` / named tool_choice: a reply without a call to a given tool is an error, never text. The grammar
+        makes every finished call parse; one cut short by max_tokens is returned as it is, with finish_reason
+        "length" (as vLLM)."""
         known = {tool.function.name for tool in request.tools or []}
-        if parser.prefix and (not names or not set(names) <= known):
+        if parser.prefix and finish_reason != "length" and (not names or not set(names) <= known):
             raise OpenAIError(f"tool_choice {request._tool_choice_text()} requires a tool call, but the model's "
                               f"output could not be parsed as a call to one of the given tools.", 500)
 
@@ -271,7 +301,7 @@ class OpenAIServingChat(OpenAIServing):
                     if c.finish_reason is not None:
                         tail = parser.finish()
                         delta = _merge(delta, tail)
-                        self._check_forced_call(request, parser, parser.called_names)
+                        self._check_forced_call(request, parser, parser.called_names, c.finish_reason)
                         finish = _finish_reason(c.finish_reason, parser.tools_called)
                         yield chunk(c.index, delta or DeltaMessage(), logprobs, finish, c.stop_reason)
                     elif delta is not None or logprobs is not None:

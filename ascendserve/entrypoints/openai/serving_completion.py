@@ -29,7 +29,8 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, (text, ids) in enumerate(prompts):
                 params = self.sampling_params(request, len(ids), "prompt")
                 prompt = {"prompt_token_ids": ids, "prompt": text}
-                streams.append(await self.add(f"{base_id}-{i}", prompt, params, "prompt"))
+                streams.append(await self.add(f"{base_id}-{i}", prompt, params, "prompt",
+                                              request.structured_outputs_field))
         except BaseException:
             abort_all(streams)
             raise

@@ -10,6 +10,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 
 from ascendserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from ascendserve.engine.structured_output import GRAMMAR_ERROR_PREFIX
 from ascendserve.entrypoints.openai.errors import OpenAIError, error_body
 from ascendserve.entrypoints.openai.serving_models import ServingModels
 from ascendserve.logger import init_logger
@@ -122,15 +123,18 @@ class OpenAIServing:
         params.output_kind = RequestOutputKind.DELTA
         return params
 
-    async def add(self, request_id: str, prompt: dict, params: SamplingParams, input_name: str):
-        """Queue one prompt; a ValueError from the engine's checks becomes a 400."""
+    async def add(self, request_id: str, prompt: dict, params: SamplingParams, input_name: str,
+                  constraint_field: str | None = None):
+        """Queue one prompt; a ValueError from the engine's checks becomes a 400 naming the field at fault (a grammar
+        that does not compile: `constraint_field`, the request field it came from)."""
         if self.options.log_requests:
             logger.info("Received request %s: %d prompt tokens, params: %r", request_id,
                         len(prompt.get("prompt_token_ids", ())), params)
         try:
             return await self.engine.add_request(request_id, prompt, params)
         except ValueError as e:
-            raise OpenAIError(str(e), 400, param=_param_in(str(e)) or input_name) from None
+            grammar = constraint_field if str(e).startswith(GRAMMAR_ERROR_PREFIX) else None
+            raise OpenAIError(str(e), 400, param=_param_in(str(e)) or grammar or input_name) from None
 
 
 _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens",

@@ -1,0 +1,121 @@
+"""Structured outputs on the engine: every kind of constraint holds on the demo model, under sampling, n > 1,
+batches that mix constrained and free rows, preemption and async scheduling."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from ascendserve import LLM, SamplingParams
+from ascendserve.engine.structured_output import StructuredOutputsParams, _unpack_bitmask
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "pet": {"enum": ["cat", "dog", None]}},
+          "required": ["name", "age", "pet"], "additionalProperties": False}
+PHONE = r"\+[0-9]{2} [0-9]{3}-[0-9]{4}"
+GRAMMAR = 'start: "(" item ("," item)* ")"\nitem: /[a-z]{1,5}/ | /[0-9]{1,3}/'
+PROMPTS = ["Here is a person described in JSON:", "Call me at", "A list:", "Is the sky green?"]
+
+
+def holds(kind: str, text: str) -> bool:
+    """Whether `text` satisfies the constraint of `kind` (checked here without the grammar engine)."""
+    if kind == "json":
+        value = json.loads(text)
+        return (set(value) == {"name", "age", "pet"} and isinstance(value["name"], str) and len(value["name"]) <= 12
+                and isinstance(value["age"], int) and 0 <= value["age"] <= 120 and value["pet"] in ("cat", "dog", None))
+    if kind == "json_object":
+        return isinstance(json.loads(text), dict)
+    if kind == "regex":
+        return re.fullmatch(PHONE, text) is not None
+    if kind == "choice":
+        return text in ("yes", "no", "maybe")
+    return re.fullmatch(r"\((?:[a-z]{1,5}|[0-9]{1,3})(?:,(?:[a-z]{1,5}|[0-9]{1,3}))*\)", text) is not None
+
+
+CONSTRAINTS = {"json": StructuredOutputsParams(json=PERSON), "json_object": StructuredOutputsParams(json_object=True),
+               "regex": StructuredOutputsParams(regex=PHONE),
+               "choice": StructuredOutputsParams(choice=["yes", "no", "maybe"]),
+               "grammar": StructuredOutputsParams(grammar=GRAMMAR)}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+
+
+@pytest.mark.parametrize("kind", sorted(CONSTRAINTS))
+def test_each_constraint_holds_greedy_and_sampled(llm, kind):
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=CONSTRAINTS[kind]),
+              SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=120, structured_outputs=CONSTRAINTS[kind])]
+    for out in llm.generate([PROMPTS[0], PROMPTS[0]], params, use_tqdm=False):
+        for choice in out.outputs:
+            assert choice.finish_reason == "stop", (kind, choice.text)  # the grammar ended it, within max_tokens
+            assert holds(kind, choice.text), (kind, choice.text)
+
+
+def test_constrained_rows_leave_their_batch_alone(llm):
+    """A batch mixing constrained and free requests: each free one generates what it does alone, each constrained
+    one what it does alone (the masks are per row)."""
+    free = SamplingParams(temperature=0, max_tokens=20)
+    constrained = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=CONSTRAINTS[k])
+                   for k in ("regex", "json", "choice")]
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[2]]
+    params = [constrained[0], free, constrained[1], constrained[2], free]
+    together = llm.generate(prompts, params, use_tqdm=False)
+    alone = [llm.generate([p], [q], use_tqdm=False)[0] for p, q in zip(prompts, params)]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    assert holds("regex", together[0].outputs[0].text) and holds("json", together[2].outputs[0].text)
+
+
+def test_grammar_waits_for_its_start_token(llm):
+    """`structured_outputs_wait_for` (a reasoning model's </think>): free generation up to and including that token,
+    the grammar from the next one on."""
+    free = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    start = free.token_ids[3]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=CONSTRAINTS["choice"],
+                            structured_outputs_wait_for=start)
+    out = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:4] == free.token_ids[:4]
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer.decode(out.token_ids[4:]) in ("yes", "no", "maybe")
+    assert out.finish_reason == "stop"
+
+
+def test_bad_constraints_are_value_errors(llm):
+    for spec, message in [(dict(regex="[a"), "regex could not be compiled"),
+                          (dict(json={"type": "nope"}), "JSON schema could not be compiled"),
+                          (dict(grammar="start: missing_rule"), "grammar could not be compiled")]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(**spec)), use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams()
+    assert llm.generate(["x"], SamplingParams(max_tokens=3, structured_outputs={"choice": ["ab"]}),
+                        use_tqdm=False)[0].outputs[0].text == "ab"  # vLLM's dict form
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_constraints_hold_through_preemption_and_async_scheduling(async_scheduling):
+    """A KV pool too small for every sequence at once: requests are preempted and recomputed; with async
+    scheduling the next step is prepared before a grammar has seen the last token. Same tokens as one at a time."""
+    llm = LLM(max_model_len=160, num_gpu_blocks_override=12, block_size=16, async_scheduling=async_scheduling)
+    kinds = ["json", "regex", "grammar", "json"]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs=CONSTRAINTS[k])
+              for i, k in enumerate(kinds)]
+    ballast = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)  # two long free rows fill the pool
+    prompts = PROMPTS + ["Once upon a time", "The weather today"]
+    together = llm.generate(prompts, params + [ballast, ballast], use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    for kind, out, prompt, p in zip(kinds, together, PROMPTS, params):
+        assert holds(kind, out.outputs[0].text), (kind, out.outputs[0].text)
+        assert out.outputs[0].token_ids == llm.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_bitmask_words_unpack_to_tokens():
+    """Bit b of int32 word w allows token 32 w + b (llguidance's layout), the sign bit included."""
+    words = torch.tensor([[0b101, -2**31, 1]], dtype=torch.int32)
+    allowed = _unpack_bitmask(words, 70)
+    assert allowed.shape == (1, 70) and allowed[0].nonzero().flatten().tolist() == [0, 2, 63, 64]
