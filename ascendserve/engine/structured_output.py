@@ -135,7 +135,6 @@ def apply_grammar_masks(logits, grammars: list) -> None:
     """Set to -inf, in place, every token the row's active grammar does not allow next (rows without one untouched):
     logits [rows, vocab] fp32, grammars one GrammarState or None a row."""
     import llguidance.torch as llg_torch
-    import torch
 
     rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
     if not rows:
@@ -143,15 +142,16 @@ def apply_grammar_masks(logits, grammars: list) -> None:
     bitmask = llg_torch.allocate_token_bitmask(len(rows), logits.shape[1])
     for j, i in enumerate(rows):
         llg_torch.fill_next_token_bitmask(grammars[i].matcher, bitmask, j)
-    allowed = _unpack_bitmask(bitmask, logits.shape[1]).to(logits.device)
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
+    banned = ~_unpack_bitmask(bitmask, logits.shape[1]).to(logits.device)
+    for j, i in enumerate(rows):  # in place, row by row (a gather + scatter of 64 rows x 248k: ~40 ms more)
+        logits[i].masked_fill_(banned[j], float("-inf"))
 
 
 def _unpack_bitmask(bitmask, vocab: int):
-    """[rows, ceil(vocab / 32)] int32 words (bit b of word w: token 32 w + b) -> [rows, vocab] bool."""
+    """[rows, ceil(vocab / 32)] int32 words (bit b of word w: token 32 w + b) -> [rows, vocab] bool. Unpacked as the
+    words' little-endian bytes by numpy: 64 rows of a 248k vocabulary in ~3 ms (shifting the int32 words: ~60 ms)."""
+    import numpy as np
     import torch
 
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))

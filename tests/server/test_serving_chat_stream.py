@@ -113,10 +113,12 @@ class ScriptedEngine:
         self.num_waiting = num_waiting
         self.errored = False
         self.prompts: list[dict] = []
+        self.params: list = []
         self.aborted: list[str] = []
 
     async def add_request(self, request_id, prompt, params):
         self.prompts.append(prompt)
+        self.params.append(params)
         pieces = pieces_of(self.tokenizer, self.script)[:params.max_tokens]
         return _ScriptedStream(self, request_id, prompt["prompt_token_ids"], pieces, params.max_tokens)
 
@@ -243,3 +245,20 @@ def test_stats_log_line_like_vllm():
     cpu = EngineMetrics("m", 2048, device_type="cpu")
     cpu.record(SchedulerStats(num_running=1, kv_cache_usage=0.5), IterationStats(num_generation_tokens=3))
     assert "CPU KV cache usage: 50.0%" in cpu.log() and "GPU" not in cpu.log(force=True)
+
+
+def test_app_structured_outputs_wait_for_the_end_of_thinking(tokenizer):
+    """Qwen3.5 with the qwen3 reasoning parser: a prompt that leaves <think> open gets its JSON constraint from the
+    token after </think>; with thinking off (closed in the prompt) and for a forced call (which closes it) from the
+    first token."""
+    engine = ScriptedEngine(tokenizer, script="{}")
+    client = make_client(engine)
+    body = {"messages": [{"role": "user", "content": "JSON?"}], "response_format": {"type": "json_object"}}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": False}}
+                       ).status_code == 200
+    forced = {"messages": body["messages"], "tools": TOOLS, "tool_choice": "required"}
+    assert client.post("/v1/chat/completions", json=forced).status_code == 200
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    assert [p.structured_outputs_wait_for for p in engine.params] == [think_end, None, None]
+    assert engine.params[0].structured_outputs.json_object and engine.params[2].structured_outputs.grammar
