@@ -21,6 +21,8 @@ Variants per (shape, M rows), ms per call:
   q8bf16x   q8_linear_bf16x on bf16 x and the same 8-bit panels, output rounded to bf16 (`--quantization int8` in a
             bf16 model: GridInt8Linear)
   i8torch   torch._weight_int8pack_mm on bf16 x, per-channel bf16 scales (`--quantization int8` before GridInt8Linear)
+  q8a8      q8_a8_linear on fp32 x and the same 8-bit panels, x rounded to int8 per 32 inputs (`--quantization int8
+            --activation-quantization int8` from 16 rows, AVX512-VNNI)
 Variants are interleaved round by round; each call uses the next of several weight copies (over
 --stream-mib in all) so weights come from DRAM as in a decode step. Median of --rounds. The host is
 shared: run it twice.
@@ -28,7 +30,7 @@ shared: run it twice.
     .venv/bin/python benchmarks/probe_bf16_linear.py [--shapes smol|qwen|all] [--rows 1,8,64,256,2048]
         [--rounds 9] [--threads N] [--stream-mib 256]
         [--variants fp32,mkl-pack,bf16,unpack+F,native,bf16x,dot,q4,q4bf16x,i4torch,q8,q8deq,q8bf16x,
-         i8torch]
+         i8torch,q8a8]
 """
 
 import argparse
@@ -47,7 +49,7 @@ from probe_packed_linear import SHAPES  # this directory is on sys.path when run
 MKL_MAX_ROWS = 128
 Q4_GROUP = 64  # inputs per (d, m) block, as --quantization int4
 Q4_VARIANTS = ("q4", "q4bf16x", "i4torch")
-Q8_VARIANTS = ("q8", "q8deq", "q8bf16x", "i8torch")
+Q8_VARIANTS = ("q8", "q8deq", "q8bf16x", "i8torch", "q8a8")
 
 
 def q4_forms(weight: torch.Tensor, need_torch: bool):
@@ -126,6 +128,8 @@ def main() -> None:
                 "q8bf16x": (lambda i: ops.q8_linear_bf16x(xb, q8[i % len(q8)][0].q, q8[i % len(q8)][0].scales, n, None,
                                                           True)) if q8 else None,
                 "i8torch": (lambda i: torch._weight_int8pack_mm(xb, *q8[i % len(q8)][1])) if q8 else None,
+                "q8a8": (lambda i: ops.q8_a8_linear(x, q8[i % len(q8)][0].q, q8[i % len(q8)][0].scales, n, None))
+                if q8 else None,
             }
             times = {name: [] for name in chosen if variants[name] is not None}
             for r in range(args.rounds + 1):
