@@ -12,8 +12,8 @@ from ascendserve.engine.output_processor import OutputProcessor
 from ascendserve.engine.request import Request, RequestStatus
 from ascendserve.engine.sampling_params import SamplingParams
 from ascendserve.engine.scheduler import Scheduler, SchedulerOutput
-from ascendserve.engine.structured_output import GrammarCompiler
 from ascendserve.engine.state_cache_manager import StateCacheManager
+from ascendserve.engine.structured_output import GrammarCompiler
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)

@@ -64,8 +64,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
-    # A grammar the output follows (ascendserve.engine.structured_output.StructuredOutputsParams), as vLLM's
-    # `structured_outputs`; `structured_outputs_wait_for`: a token id (a reasoning model's </think>) after which it starts
+    # A grammar the output follows (StructuredOutputsParams), as vLLM's `structured_outputs`;
+    # `structured_outputs_wait_for`: a token id (a reasoning model's </think>) after which the grammar starts
     structured_outputs: StructuredOutputsParams | None = None
     structured_outputs_wait_for: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE

@@ -175,8 +175,8 @@ class OpenAIServingChat(OpenAIServing):
         """`required` / named tool_choice: the grammar that holds the rest of the forced call to the tools' schemas
         (the name to one of them, the arguments to its parameters), as vLLM's guided decoding does."""
         if request.structured_outputs_field is not None:
-            raise OpenAIError(f"tool_choice {request._tool_choice_text()} already constrains the output to a tool call; "
-                              f"{request.structured_outputs_field} cannot be given with it.", 400,
+            raise OpenAIError(f"tool_choice {request._tool_choice_text()} already constrains the output to a tool "
+                              f"call; {request.structured_outputs_field} cannot be given with it.", 400,
                               param=request.structured_outputs_field)
         choice, tools = request.tool_choice, [tool.function for tool in request.tools]
         if not isinstance(choice, str):
@@ -247,7 +247,8 @@ class OpenAIServingChat(OpenAIServing):
         result = []
         for index, (choice, parser) in enumerate(zip(choices, parsers)):
             message = parser.parse(choice.text)
-            self._check_forced_call(request, parser, [c.function.name for c in message.tool_calls], choice.finish_reason)
+            names = [c.function.name for c in message.tool_calls]
+            self._check_forced_call(request, parser, names, choice.finish_reason)
             if self._echo(request):
                 message.content = self._echo(request) + (message.content or "")
             finish = _finish_reason(choice.finish_reason, bool(message.tool_calls))
