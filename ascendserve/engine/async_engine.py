@@ -79,6 +79,7 @@ class AsyncLLM:
         self._stats = SchedulerStats()  # last snapshot, written by the engine thread
         self._iteration = IterationStats()  # engine thread: what happened since the last publish
         self._pending_adds = 0  # adds sent but not yet counted by a snapshot
+        self._blocked = 0  # sequences the last step left waiting
         self._num_added = 0  # engine thread: adds applied since the last snapshot
         self._lock = threading.Lock()
         self._stopping = threading.Event()  # set by shutdown(), or when the interpreter exits
@@ -110,10 +111,13 @@ class AsyncLLM:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences waiting for a slot, with requests not yet handed to the engine, less the running slots
-        (`max_num_seqs`) still free: a burst that the next step starts at once waits for nothing."""
-        free = max(self.engine.scheduler.max_num_seqs - self._stats.num_running, 0)
-        return max(self._stats.num_waiting + self._pending_adds - free, 0)
+        """Sequences waiting for a slot, with requests not yet handed to the engine; while the last step scheduled
+        every waiting sequence, less the running slots (`max_num_seqs`) still free: a burst that the next step starts
+        at once waits for nothing."""
+        waiting = self._stats.num_waiting + self._pending_adds
+        if self._blocked:  # the last step left requests waiting: the KV cache or the token budget holds them back
+            return waiting
+        return max(waiting - max(self.engine.scheduler.max_num_seqs - self._stats.num_running, 0), 0)
 
     @property
     def scheduler_stats(self) -> SchedulerStats:
@@ -314,6 +318,7 @@ class AsyncLLM:
 
     def _publish(self, now: float) -> None:
         self._snapshot()
+        self._blocked = self._stats.num_waiting  # after a step: what it could not schedule
         iteration, self._iteration = self._iteration, IterationStats()
         if self.metrics is not None:
             self.metrics.record(self._stats, iteration, now)

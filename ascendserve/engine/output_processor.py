@@ -106,8 +106,7 @@ class OutputProcessor:
         if state.detokenizer is not None:
             # the last token is an EOS / stop token id (not a grammar's last token, which is text)
             stop_terminated = (update.finished and request.get_finish_reason() == "stop"
-                               and not (request.grammar is not None and request.grammar.ended
-                                        and update.new_token_ids[-1] not in request.eos_token_ids))
+                               and not request.finished_by_grammar)
             stop_str = state.detokenizer.update(update.new_token_ids, stop_terminated)
         if stop_str is not None and not update.finished:
             state.finish_reason, state.stop_reason = "stop", stop_str

@@ -72,6 +72,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
         self.first_scheduled_time: float | None = None
         self.grammar = None  # structured outputs: a GrammarState that consumes every generated token
+        self.finished_by_grammar = False  # stopped because the grammar ended (not by an EOS / stop token)
 
     @property
     def num_tokens(self) -> int:

@@ -257,6 +257,7 @@ class Scheduler:
                 return True
         if request.grammar is not None and request.grammar.ended:  # structured output complete
             request.status = RequestStatus.FINISHED_STOPPED
+            request.finished_by_grammar = True
             return True
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH

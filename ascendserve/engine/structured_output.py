@@ -5,8 +5,8 @@ What vLLM calls structured outputs (`response_format`, `structured_outputs`, the
 2-core CPU, Qwen3.5's 248k vocabulary: a step's mask ~0.6 ms for one row, ~10 ms for 64). Flow: the engine compiles a
 request's `StructuredOutputsParams` once (`GrammarCompiler.compile`, a ValueError naming the problem for a bad
 schema / regex / grammar) and gives each child sequence its own `GrammarState`; the sampler masks the logits of rows
-whose grammar is active (`apply_grammar_masks`); every token appended to a request is consumed by its grammar
-(`Request.append_output_token`), and a grammar that has ended finishes the request with "stop".
+whose grammar is active (`worker/sampler.py` apply_grammar_masks); every token appended to a request is consumed by its
+grammar (`Request.append_output_token`), and a grammar that has ended finishes the request with "stop".
 
 A reasoning model's thinking is left free: a state made with `wait_for` only starts constraining after that token
 (`</think>`) has been generated, as vLLM does with a reasoning parser.
@@ -63,16 +63,20 @@ class StructuredOutputsParams:
 
 
 class GrammarState:
-    """One sequence's grammar: the llguidance matcher, fed every token the sequence generates."""
+    """One sequence's grammar: the llguidance matcher, fed every token the sequence generates. Only the engine thread
+    touches the matcher between steps (accept, in Scheduler.update_from_output) and the model thread during one (the
+    mask): with async scheduling the two overlap, so what the output side needs is kept in plain fields (`ended`)."""
 
     def __init__(self, matcher, wait_for: int | None = None) -> None:
         self.matcher = matcher
         self.wait_for = wait_for  # a token (</think>) after which the grammar starts; None: from the first token
+        self.ended = False  # the grammar ran to its end: the output is complete
+        self.failed = False  # the grammar rejected a token: generation goes on unconstrained
 
     @property
     def active(self) -> bool:
         """Whether this step's token is constrained."""
-        return self.wait_for is None and not self.matcher.is_stopped()
+        return self.wait_for is None and not self.ended and not self.failed
 
     def accept(self, token_id: int) -> None:
         """Consume a generated token (before the grammar starts: watch for its start token)."""
@@ -80,14 +84,16 @@ class GrammarState:
             if token_id == self.wait_for:
                 self.wait_for = None
             return
-        if not self.matcher.is_stopped() and not self.matcher.consume_token(token_id):
-            # only a token the mask allowed is sampled, so this is the engine's fault: say so, and stop constraining
-            logger.error("Structured output: the grammar rejected token %d (%s)", token_id, self.matcher.get_error())
-
-    @property
-    def ended(self) -> bool:
-        """Whether the grammar has run to its end (the output is complete)."""
-        return self.wait_for is None and self.matcher.is_stopped()
+        if not self.active:
+            return
+        if self.matcher.consume_token(token_id):
+            self.ended = self.matcher.is_stopped()
+            return
+        # Only a token the mask allowed is sampled, unless another processor banned all of those (min_tokens, say):
+        # say so, and stop constraining rather than end the request as if its output were complete.
+        self.failed = True
+        logger.error("Structured output: the grammar rejected token %d (%s); the rest of the output is not "
+                     "constrained", token_id, self.matcher.get_error())
 
 
 class GrammarCompiler:
@@ -110,12 +116,15 @@ class GrammarCompiler:
             raise ValueError(f"{GRAMMAR_ERROR_PREFIX} need a tokenizer (this engine runs with skip_tokenizer_init)")
         try:
             grammar = params.llguidance_grammar()
+            self._tokenizer()
         except (ValueError, TypeError) as e:
             raise ValueError(f"{GRAMMAR_ERROR_PREFIX}: the {_kind(params)} could not be compiled: {e}") from None
-        message = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer())  # "" when it compiles
-        if message:
-            raise ValueError(f"{GRAMMAR_ERROR_PREFIX}: the {_kind(params)} could not be compiled: {message.strip()}")
-        return [GrammarState(llguidance.LLMatcher(self._tokenizer(), grammar), wait_for) for _ in range(count)]
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)  # errors: ours, below
+        if matcher.is_error():
+            raise ValueError(f"{GRAMMAR_ERROR_PREFIX}: the {_kind(params)} could not be compiled: "
+                             f"{matcher.get_error().strip()}")
+        matchers = [matcher] + [matcher.deep_copy() for _ in range(count - 1)]  # compiled once for the n children
+        return [GrammarState(m, wait_for) for m in matchers]
 
     def _tokenizer(self):
         if self._ll_tokenizer is None:
@@ -130,29 +139,3 @@ def _kind(params: StructuredOutputsParams) -> str:
     if params.json_object or params.json is not None:
         return "JSON schema"
     return "regex" if params.regex is not None else "choice" if params.choice is not None else "grammar"
-
-
-def apply_grammar_masks(logits, grammars: list) -> None:
-    """Set to -inf, in place, every token the row's active grammar does not allow next (rows without one untouched):
-    logits [rows, vocab] fp32, grammars one GrammarState or None a row."""
-    import llguidance.torch as llg_torch
-
-    rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
-    if not rows:
-        return
-    bitmask = llg_torch.allocate_token_bitmask(len(rows), logits.shape[1])
-    for j, i in enumerate(rows):
-        llg_torch.fill_next_token_bitmask(grammars[i].matcher, bitmask, j)
-    banned = ~_unpack_bitmask(bitmask, logits.shape[1]).to(logits.device)
-    for j, i in enumerate(rows):  # in place, row by row (a gather + scatter of 64 rows x 248k: ~40 ms more)
-        logits[i].masked_fill_(banned[j], float("-inf"))
-
-
-def _unpack_bitmask(bitmask, vocab: int):
-    """[rows, ceil(vocab / 32)] int32 words (bit b of word w: token 32 w + b) -> [rows, vocab] bool. Unpacked as the
-    words' little-endian bytes by numpy: 64 rows of a 248k vocabulary in ~3 ms (shifting the int32 words: ~60 ms)."""
-    import numpy as np
-    import torch
-
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
-    return torch.from_numpy(bits.view(np.bool_))

@@ -14,10 +14,10 @@ Logprobs are those of the raw model logits (vLLM's default `raw_logprobs`).
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ascendserve.engine.sampling_params import SamplingParams
-from ascendserve.engine.structured_output import apply_grammar_masks
 from ascendserve.layers import cpu_kernels
 
 _NEG_INF = float("-inf")
@@ -161,6 +161,30 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     sub -= _column([p.presence_penalty for p in params], logits) * (out_counts > 0)
     logits[index] = sub
     return logits
+
+
+def apply_grammar_masks(logits: torch.Tensor, grammars: list) -> None:
+    """Set to -inf, in place, every token the row's active grammar (engine/structured_output.GrammarState) does not
+    allow next; rows without one are untouched. On a 2-core CPU with Qwen3.5's 248k vocabulary: ~0.6 ms for one row,
+    ~10 ms for 64 (`benchmarks/probe_grammar_masks.py`)."""
+    import llguidance.torch as llg_torch
+
+    rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
+    if not rows:
+        return
+    bitmask = llg_torch.allocate_token_bitmask(len(rows), logits.shape[1])
+    for j, i in enumerate(rows):
+        llg_torch.fill_next_token_bitmask(grammars[i].matcher, bitmask, j)
+    banned = ~unpack_bitmask(bitmask, logits.shape[1]).to(logits.device)
+    for j, i in enumerate(rows):  # in place, row by row (a gather + scatter of 64 rows x 248k: ~40 ms more)
+        logits[i].masked_fill_(banned[j], _NEG_INF)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, ceil(vocab / 32)] int32 words (bit b of word w: token 32 w + b) -> [rows, vocab] bool. Unpacked as the
+    words' little-endian bytes by numpy: 64 rows of a 248k vocabulary in ~3 ms (shifting the int32 words: ~60 ms)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))
 
 
 def _apply_allowed_token_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

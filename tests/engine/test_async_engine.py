@@ -312,3 +312,26 @@ def test_num_waiting_counts_only_what_the_free_slots_cannot_take(llm):
         await wait_idle(llm)
         return fitting, over
     assert asyncio.run(run()) == ([0, 0], 2)
+
+
+def test_num_waiting_counts_every_sequence_the_kv_cache_holds_back():
+    """Free seq slots but a full KV cache (32 blocks; each ~150-token prompt takes 10): the requests the step could
+    not schedule all count as waiting, so --max-waiting-requests still trips in that overload."""
+    small = AsyncLLM.from_engine_args(EngineArgs(max_model_len=256, num_gpu_blocks_override=32, block_size=16,
+                                                 max_num_seqs=8))
+
+    async def run():
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        prompts = [f"{i} " + " ".join(["word"] * 150) for i in range(6)]  # no shared prefix blocks
+        streams = list(await asyncio.gather(*[small.add_request(f"k{i}", p, params) for i, p in enumerate(prompts)]))
+        await asyncio.sleep(1.0)
+        stats, waiting = small.scheduler_stats, small.num_waiting
+        for stream in streams:
+            stream.abort()
+        await wait_idle(small)
+        return stats, waiting
+    try:
+        stats, waiting = asyncio.run(run())
+    finally:
+        small.shutdown()
+    assert stats.num_running < 6 and waiting == 6 - stats.num_running

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ascendserve import LLM, SamplingParams
-from ascendserve.engine.structured_output import StructuredOutputsParams, _unpack_bitmask
+from ascendserve.engine.structured_output import StructuredOutputsParams
+from ascendserve.worker.sampler import unpack_bitmask
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -117,5 +118,43 @@ def test_constraints_hold_through_preemption_and_async_scheduling(async_scheduli
 def test_bitmask_words_unpack_to_tokens():
     """Bit b of int32 word w allows token 32 w + b (llguidance's layout), the sign bit included."""
     words = torch.tensor([[0b101, -2**31, 1]], dtype=torch.int32)
-    allowed = _unpack_bitmask(words, 70)
+    allowed = unpack_bitmask(words, 70)
     assert allowed.shape == (1, 70) and allowed[0].nonzero().flatten().tolist() == [0, 2, 63, 64]
+
+
+def test_a_rejected_token_stops_constraining_instead_of_ending_the_output(llm):
+    """A token the grammar rejects (possible only when another processor banned every allowed one) leaves the grammar
+    failed: no longer masking, and not 'ended' (which would finish the request as if its output were complete)."""
+    tokenizer = llm.get_tokenizer()
+    state, = llm.llm_engine.grammar_compiler.compile(StructuredOutputsParams(choice=["yes"]), 1)
+    state.accept(tokenizer.encode("no", add_special_tokens=False)[0])
+    assert state.failed and not state.ended and not state.active
+    done, = llm.llm_engine.grammar_compiler.compile(StructuredOutputsParams(choice=["yes"]), 1)
+    for token in tokenizer.encode("yes", add_special_tokens=False):
+        done.accept(token)
+    assert done.ended and not done.failed and not done.active
+
+
+def test_forced_call_grammars_compile_for_defs_untyped_and_tagged_values(llm):
+    """qwen3_coder: a property whose items $ref the schema's $defs compiles (each property's JSON carries them); a raw
+    text value cannot hold a tag the parser splits at. hermes: a schema without "type" still makes an object."""
+    from ascendserve.entrypoints.openai.chat_utils import forced_call_grammar
+
+    compiler, tokenizer = llm.llm_engine.grammar_compiler, llm.get_tokenizer()
+    schema = {"$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+              "type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/P"}},
+                                               "note": {"type": "string"}}}
+
+    def accepts(parser: str, parameters: dict, text: str) -> bool:
+        grammar = forced_call_grammar(parser, [{"name": "f", "parameters": parameters}], "f")
+        state, = compiler.compile(StructuredOutputsParams(grammar=grammar), 1)
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            state.accept(token)
+        return state.ended and not state.failed
+
+    ok = '<parameter=items>\n[{"x": 1}]\n</parameter>\n<parameter=note>\na <b> c\n</parameter>\n</function>'
+    assert accepts("qwen3_coder", schema, ok)
+    assert not accepts("qwen3_coder", schema, '<parameter=items>\n[{"x": "1"}]\n</parameter>\n</function>')
+    assert not accepts("qwen3_coder", schema, "<parameter=note>\na</function>b\n</parameter>\n</function>")
+    assert accepts("hermes", {"properties": {"a": {"type": "integer"}}}, '{"a": 1}}\n</tool_call>')
+    assert not accepts("hermes", {"properties": {"a": {"type": "integer"}}}, '5}\n</tool_call>')

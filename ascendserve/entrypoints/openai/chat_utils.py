@@ -8,15 +8,13 @@ from ascendserve.entrypoints.openai.errors import OpenAIError
 # Strings that mark a --chat-template value as a template rather than a file name.
 _JINJA_MARKERS = ("{{", "{%")
 
-# Per tool-call parser: the text that opens a call to `name` (a format string), the opening that lets the model pick
-# the name (plain text), and where generation stops after the call. A forced `tool_choice` appends an opening to the
-# prompt, holds the rest to the tools' schemas (forced_call_grammar) and stops after one call: the output is exactly one
-# call, as vLLM's guided decoding gives.
+# Per tool-call parser: the text that opens a call to `name` (a format string) and the opening that lets the model pick
+# the name (plain text). A forced `tool_choice` appends one to the prompt and holds the rest to the tools' schemas up to
+# the call's end (forced_call_grammar), where the grammar ends the request: the output is exactly one call, as vLLM's
+# guided decoding gives.
 TOOL_CALL_OPENINGS = {
-    "qwen3_coder": ("<tool_call>\n<function={name}>\n", "<tool_call>\n<function=",
-                    ("</function>", "<function=", "</tool_call>")),
-    "hermes": ('<tool_call>\n{{"name": "{name}", "arguments": ', '<tool_call>\n{"name": "',
-               ("</tool_call>", "<tool_call>")),
+    "qwen3_coder": ("<tool_call>\n<function={name}>\n", "<tool_call>\n<function="),
+    "hermes": ('<tool_call>\n{{"name": "{name}", "arguments": ', '<tool_call>\n{"name": "'),
 }
 
 
@@ -26,11 +24,11 @@ def forced_call_grammar(parser: str, tools: list[dict], name: str | None) -> str
     up to the call's end. `tools` are the request's function definitions ({"name", "parameters"}). hermes: the
     arguments as a JSON object of the function's parameter schema; qwen3_coder: `<parameter=NAME>` blocks of the
     schema's properties, strings as raw text (anything up to the block's end), other types as JSON of their schema."""
-    schemas = {tool["name"]: tool.get("parameters") or {"type": "object"} for tool in tools}
+    schemas = {tool["name"]: {"type": "object", **(tool.get("parameters") or {})} for tool in tools}
     rules = []
 
     def arguments(i: int, tool: str) -> str:
-        if parser == "hermes":
+        if parser == "hermes":  # the arguments: a JSON object of the schema (an object even where it names no type)
             return f"%json {json.dumps(schemas[tool])} {_lark('}' + chr(10) + '</tool_call>')}"
         return f"{_coder_params(schemas[tool], f'p{i}', rules)} {_lark('</function>')}"
 
@@ -41,8 +39,11 @@ def forced_call_grammar(parser: str, tools: list[dict], name: str | None) -> str
         for i, tool in enumerate(schemas):
             rules.append(f"call_{i}: {_lark(tool + after_name)} {arguments(i, tool)}")
         rules.append("start: " + " | ".join(f"call_{i}" for i in range(len(schemas))))
-    if parser != "hermes":  # a raw-text value: the shortest text that ends its block
-        rules.append(r"coder_text[lazy]: /(.|\n)*\n<\/parameter>\n/")
+    if parser != "hermes":  # a raw-text value: the shortest text that ends its block, with none of the tags the
+        # parser splits at inside it (its regexes would cut the call there)
+        rules += ["coder_text[lazy]: CODER_TEXT",
+                  r"CODER_TEXT: /(.|\n)*\n<\/parameter>\n/ & ~/(.|\n)*(<parameter=|<\/parameter>(.|\n)(.|\n)|"
+                  r"<\/function>|<function=|<\/?tool_call>)(.|\n)*/"]
     return "\n".join(rules) + "\n"
 
 
@@ -54,10 +55,11 @@ def _coder_params(schema: dict, prefix: str, rules: list[str]) -> str:
         rules.append(f'{prefix}_any: "<parameter=" /[^>\\n]+/ ">\\n" coder_text')
         return f"{prefix}_any*"
     names = []
+    definitions = {key: schema[key] for key in ("$defs", "definitions") if key in schema}  # what $refs point into
     for j, (prop, prop_schema) in enumerate(properties.items()):
         opening = _lark(f"<parameter={prop}>\n")
         if isinstance(prop_schema, dict) and prop_schema.get("type") in _JSON_VALUE_TYPES:
-            value = f"%json {json.dumps(prop_schema)} {_lark(chr(10) + '</parameter>' + chr(10))}"
+            value = f"%json {json.dumps({**prop_schema, **definitions})} {_lark(chr(10) + '</parameter>' + chr(10))}"
         else:  # a string (or a schema of several types): the raw text
             value = "coder_text"
         rules.append(f"{prefix}_{j}: {opening} {value}")

@@ -17,6 +17,9 @@ logger = init_logger(__name__)
 # vLLM's bounds for `seed` (a C long).
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
 # OpenAI's limit on top_logprobs / logprobs (vLLM's default --max-logprobs).
+# vLLM's structured-output options that tune its backends rather than name a constraint: accepted, with a warning.
+_STRUCTURED_OUTPUT_OPTIONS = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                              "whitespace_pattern", "backend"}
 # vLLM's sampling defaults, used when neither the request nor the model's generation config sets one.
 _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
@@ -314,6 +317,10 @@ class _SamplingRequest(OpenAIBaseModel):
             raise ValueError(f"{' and '.join(given)} each constrain the output; give one of them.")
         (field, spec), = given.items()
         self._structured_outputs_field = field
+        ignored = sorted(set(spec) & _STRUCTURED_OUTPUT_OPTIONS)
+        if ignored:
+            logger.warning("%s: %s accepted but has no effect here (one grammar backend, llguidance)", field, ignored)
+            spec = {key: value for key, value in spec.items() if key not in _STRUCTURED_OUTPUT_OPTIONS}
         unknown = sorted(set(spec) - set(StructuredOutputsParams.__dataclass_fields__))
         if unknown:
             raise ValueError(f"{field}: unknown constraint {unknown}; expected one of json, regex, choice, grammar, "

@@ -130,8 +130,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt_text = self._render(request, prefix)
         prompt_ids = self.truncate_prompt(request, self.tokenize(prompt_text, request.add_special_tokens))
         params = self.sampling_params(request, len(prompt_ids), "messages")
-        if prefix:  # one forced call, its arguments held to the tool's schema, then stop
-            params.stop = [*params.stop, *TOOL_CALL_OPENINGS[self.options.tool_call_parser][2]]
+        if prefix:  # one forced call, held to the tools' schemas; its grammar's end ends the request
             params.structured_outputs = self._forced_call_grammar(request)
         elif params.structured_outputs is not None:
             params.structured_outputs_wait_for = self._reasoning_end_token(request, prompt_ids)
@@ -165,7 +164,7 @@ class OpenAIServingChat(OpenAIServing):
                               f"({', '.join(sorted(TOOL_CALL_OPENINGS))}); start the server with "
                               f"--tool-call-parser (this server has {parser or 'none'}).", 400,
                               param="tool_choice")
-        named, opening, _ = TOOL_CALL_OPENINGS[parser]
+        named, opening = TOOL_CALL_OPENINGS[parser]
         if isinstance(choice, str) and len(request.tools) > 1:  # "required": the model picks the function
             return opening
         name = choice.function.name if not isinstance(choice, str) else request.tools[0].function.name
