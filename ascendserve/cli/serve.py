@@ -49,6 +49,9 @@ NO_EFFECT_FLAGS = {
     "--distributed-executor-backend": ({}, "no distributed executor: one process runs the model"),
     "--attention-backend": ({}, "one attention implementation per platform"),
     "--enable-log-requests": ({"action": "store_true"}, "requests are logged unless --disable-log-requests"),
+    "--structured-outputs-config": ({}, "structured outputs run on llguidance (vLLM's guidance backend) whichever "
+                                        "backend is named, after the reasoning where a reasoning parser runs"),
+    "--guided-decoding-backend": ({}, "structured outputs run on llguidance (vLLM's guidance backend)"),
 }
 
 

@@ -80,6 +80,14 @@ def test_ascend_line_parses_and_warns_once_per_inert_flag(started, warnings):
     assert len(warnings) == len(inert)
 
 
+def test_structured_output_backend_flags_parse_and_warn(started, warnings):
+    """vLLM's backend choice for structured outputs: accepted, one warning each (llguidance runs whatever is named)."""
+    line = "serve --structured-outputs-config '{\"backend\": \"xgrammar\"}' --guided-decoding-backend xgrammar"
+    assert main(shlex.split(line)) == 0
+    for flag in ("--structured-outputs-config", "--guided-decoding-backend"):
+        assert sum(m.startswith(flag + " ") and "llguidance" in m for m in warnings) == 1, (flag, warnings)
+
+
 @pytest.mark.parametrize("flag", sorted(serve_cli.JSON_FLAG_EXAMPLES))
 def test_bad_json_flag_stops_with_value_error_and_example(flag, capsys):
     with pytest.raises(SystemExit) as info:
