@@ -11,6 +11,7 @@ another device for the same tests (`npu`; `cpu` checks the tests themselves wher
 """
 
 import os
+import re
 import shutil
 
 import pytest
@@ -223,7 +224,8 @@ def _assert_clean_pool(llm):
 
 def test_server_on_the_gpu(tmp_path):
     # The real `ascendserve serve` process on CUDA, a tiny random Qwen3.5 with the Qwen3.5 tokenizer, through the
-    # official client: a chat completion, a streamed one, and /metrics.
+    # official client: a chat completion, a streamed one, structured outputs (the grammar masks on the device's
+    # logits), and /metrics.
     tokenizer = os.environ.get(TOKENIZER_ENV)
     if not tokenizer:
         from tests.fixtures.qwen3_5_tokenizer import build_qwen3_5_tokenizer
@@ -249,6 +251,14 @@ def test_server_on_the_gpu(tmp_path):
         chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                      max_tokens=8, temperature=0, stream=True))
         assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
+        digits = client.completions.create(model="tiny", prompt="Number:", max_tokens=8, temperature=1.0, seed=3,
+                                           extra_body={"guided_regex": "[0-9]{3}"})
+        assert re.fullmatch("[0-9]{3}", digits.choices[0].text) and digits.choices[0].finish_reason == "stop"
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}]
+        forced = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Call f"}],
+                                                tools=tools, tool_choice="required", max_tokens=48, temperature=0)
+        assert forced.choices[0].finish_reason in ("tool_calls", "length")
         import httpx
         metrics = httpx.get(server.url + "/metrics").text
         assert "vllm:generation_tokens_total" in metrics

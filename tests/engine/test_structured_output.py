@@ -9,7 +9,7 @@ import torch
 
 from ascendserve import LLM, SamplingParams
 from ascendserve.engine.structured_output import StructuredOutputsParams
-from ascendserve.worker.sampler import unpack_bitmask
+from ascendserve.worker.sampler import unpack_bitmask, unpack_bitmask_on_device
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -120,6 +120,8 @@ def test_bitmask_words_unpack_to_tokens():
     words = torch.tensor([[0b101, -2**31, 1]], dtype=torch.int32)
     allowed = unpack_bitmask(words, 70)
     assert allowed.shape == (1, 70) and allowed[0].nonzero().flatten().tolist() == [0, 2, 63, 64]
+    random = torch.randint(-2**31, 2**31 - 1, (3, 40), dtype=torch.int32)  # the GPU / NPU form, run here on the CPU
+    assert torch.equal(unpack_bitmask_on_device(random, 1270), unpack_bitmask(random, 1270))
 
 
 def test_a_rejected_token_stops_constraining_instead_of_ending_the_output(llm):
