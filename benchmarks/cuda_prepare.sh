@@ -9,11 +9,11 @@ for d in .whl .gpu; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >>.git/i
 version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 WHEELS=""
 for name in fastapi starlette pydantic pydantic_core annotated-types typing-inspection annotated-doc uvicorn openai \
-    jiter gguf sniffio opentelemetry-api httpx2 httpcore2 typing_extensions anyio truststore idna h11; do
+    jiter gguf sniffio opentelemetry-api httpx2 httpcore2 typing_extensions anyio truststore idna h11 llguidance; do
   WHEELS="$WHEELS $name==$(version "$name")"
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $WHEELS
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $WHEELS
 "$PY" -m tests.fixtures.qwen3_5_tokenizer .gpu/qwen3_5_tokenizer
 "$PY" - <<'EOF'
 import json
