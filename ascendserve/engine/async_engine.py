@@ -290,7 +290,9 @@ class AsyncLLM:
         for child, completion in zip(stream.children, _by_index(output, len(stream.children))):
             scheduled = child.first_scheduled_time or now
             stats.append(FinishedRequestStats(
-                finish_reason=(completion.finish_reason if completion else None) or "abort",
+                # a DELTA output holds only the children that moved in its step: the others' reason is on the child
+                finish_reason=(completion.finish_reason if completion else None) or child.get_finish_reason()
+                or "abort",
                 e2e_latency=now - stream.arrival_time, queue_time=max(scheduled - stream.arrival_time, 0.0),
                 num_prompt_tokens=child.num_prompt_tokens, num_generation_tokens=child.num_output_tokens))
         return stats

@@ -44,3 +44,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: None = None  # vLLM's field; this engine computes no prompt logprobs (a request asking is refused)

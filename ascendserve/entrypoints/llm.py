@@ -40,10 +40,17 @@ class LLM:
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list | None = None) -> list[RequestOutput]:
         """Render one conversation (list of messages) or many with the chat template, then generate."""
+        from ascendserve.entrypoints.openai.chat_utils import normalize_messages
+        from ascendserve.entrypoints.openai.errors import OpenAIError
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
+            try:  # the server's reading of the messages: content parts joined, null content "", arguments parsed
+                conversation = normalize_messages(conversation)
+            except OpenAIError as e:
+                raise ValueError(e.message) from None
             text = tokenizer.apply_chat_template(
                 conversation, tokenize=False, chat_template=chat_template, tools=tools,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,

@@ -335,3 +335,25 @@ def test_num_waiting_counts_every_sequence_the_kv_cache_holds_back():
     finally:
         small.shutdown()
     assert stats.num_running < 6 and waiting == 6 - stats.num_running
+
+
+def test_metrics_count_each_child_of_n_under_its_own_finish_reason(llm):
+    """n=4 children that finish at different steps: each is counted as stop or length in request_success_total; the
+    last output (DELTA) holds only the children that finished in its step, and the others were counted as aborts."""
+    def count(reason: str) -> float:
+        return llm.metrics.registry.get_sample_value(
+            "vllm:request_success_total", {"model_name": "demo", "finished_reason": reason}) or 0.0
+
+    async def run():
+        params = SamplingParams(n=4, seed=3, temperature=1.0, max_tokens=40, stop=["\n"],
+                                output_kind=RequestOutputKind.DELTA)
+        outputs = [o async for o in llm.generate("Say hi", params, "n4")]
+        await wait_idle(llm)
+        return outputs
+    before = {reason: count(reason) for reason in ("stop", "length", "abort")}
+    outputs = asyncio.run(run())
+    reasons = [c.finish_reason for o in outputs for c in o.outputs if c.finish_reason]
+    assert sorted(reasons) != sorted(c.finish_reason for c in outputs[-1].outputs if c.finish_reason), \
+        "the children should finish in different steps for this test to mean anything"
+    after = {reason: count(reason) for reason in ("stop", "length", "abort")}
+    assert {r: after[r] - before[r] for r in after} == {r: float(reasons.count(r)) for r in ("stop", "length", "abort")}

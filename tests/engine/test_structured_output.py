@@ -96,6 +96,8 @@ def test_bad_constraints_are_value_errors(llm):
         StructuredOutputsParams()
     assert llm.generate(["x"], SamplingParams(max_tokens=3, structured_outputs={"choice": ["ab"]}),
                         use_tqdm=False)[0].outputs[0].text == "ab"  # vLLM's dict form
+    with pytest.raises(ValueError, match="unknown constraint"):
+        SamplingParams(structured_outputs={"jsn": {}})
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

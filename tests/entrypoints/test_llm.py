@@ -142,3 +142,9 @@ def test_chat_uses_the_checkpoint_template(llm):
     two = llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "What is 2+2?"}]],
                    SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert len(two) == 2
+    # OpenAI content parts, as the server reads them (a TypeError from the template before)
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}],
+                     SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert parts[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="text only"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)

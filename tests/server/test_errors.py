@@ -51,6 +51,8 @@ def test_invalid_json(http):
     ("/v1/completions", {"prompt": []}, "prompt", ("prompt",)),
     ("/v1/completions", {"prompt": [10**9]}, "prompt", ("prompt token ids",)),
     ("/v1/completions", {"prompt": "x", "n": 2, "temperature": 0}, "n", ("greedy",)),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", ("not supported",)),
+    ("/v1/chat/completions", {"messages": CHAT, "bad_words": [" Paris"]}, "bad_words", ("not supported",)),
 ])
 def test_schema_and_range_errors(http, path, body, param, contains):
     check_error(http.post(path, json=body), 400, param=param, contains=contains)

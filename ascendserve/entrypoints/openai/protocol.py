@@ -286,12 +286,22 @@ class _SamplingRequest(OpenAIBaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # vLLM's, not implemented here: refused when set rather than ignored (a different kind of result would come back)
+    use_beam_search: bool = False
+    bad_words: list[str] | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true.")
         return self
+
+    @field_validator("use_beam_search", "bad_words")
+    @classmethod
+    def _refuse_unimplemented(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} is not supported by this server.")
+        return value
 
     @model_validator(mode="after")
     def _check_structured_outputs(self):
