@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from ascendserve.cli.engine_flags import add_engine_flags, engine_args_from
+from ascendserve.cli.engine_flags import add_engine_flags, engine_args_from, positive_float, positive_int
 
 
 def register(sub) -> None:
@@ -40,16 +40,17 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-name", "--dataset", default="random",
                    choices=["random", "sharegpt", "sharegpt-json", "prefix-repetition", "prefix_repetition"])
     p.add_argument("--dataset-path", default=None, help="a local ShareGPT JSON file")
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--num-prompts", type=positive_int, default=1000)
+    p.add_argument("--random-input-len", type=positive_int, default=1024)
+    p.add_argument("--random-output-len", type=positive_int, default=128)
+    p.add_argument("--random-range-ratio", type=_range_ratio, default=0.0)
     p.add_argument("--prefix-len", "--prefix-repetition-prefix-len", dest="prefix_len", type=int, default=256)
     p.add_argument("--num-prefixes", "--prefix-repetition-num-prefixes", dest="num_prefixes", type=int, default=10)
     p.add_argument("--sharegpt-output-len", type=int, default=None)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--request-rate", type=positive_float, default=float("inf"),
+                   help="requests/s (inf: all at once)")
+    p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=positive_int, default=None)
     p.add_argument("--sweep-concurrency", default=None, help="comma-separated levels, e.g. 1,4,16,64: one run each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -57,14 +58,44 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra-body", type=_json_object, default=None,
                    help="a JSON object merged into every request body, e.g. for a server without ignore_eos: "
                         "'{\"min_tokens\": 128}'")
-    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
-    p.add_argument("--metric-percentiles", default="99")
+    p.add_argument("--percentile-metrics", type=_percentile_metrics, default="ttft,tpot,itl,e2el")
+    p.add_argument("--metric-percentiles", type=_percentiles, default="99")
     p.add_argument("--save-result", action="store_true")
     p.add_argument("--result-dir", default=None)
     p.add_argument("--result-filename", default=None)
     p.add_argument("--plot", action="store_true", help="write a PNG chart next to the results")
     p.add_argument("--disable-tqdm", action="store_true")
     p.set_defaults(func=run_serve)
+
+
+def _range_ratio(value: str) -> float:
+    """argparse type of --random-range-ratio: lengths vary by +-ratio, in [0, 1)."""
+    try:
+        ratio = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number is needed, got {value!r}") from None
+    if not 0 <= ratio < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return ratio
+
+
+def _percentile_metrics(value: str) -> str:
+    """argparse type of --percentile-metrics: names from ttft, tpot, itl, e2el."""
+    unknown = sorted({m.strip() for m in value.split(",")} - {"ttft", "tpot", "itl", "e2el"})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown metric {unknown}; choose from ttft,tpot,itl,e2el")
+    return value
+
+
+def _percentiles(value: str) -> str:
+    """argparse type of --metric-percentiles: numbers in (0, 100], comma-separated."""
+    try:
+        numbers = [float(v) for v in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated numbers like 50,90,99 are needed, got {value!r}") from None
+    if not all(0 < n <= 100 for n in numbers):
+        raise argparse.ArgumentTypeError(f"percentiles must be in (0, 100], got {value!r}")
+    return value
 
 
 def _json_object(value: str) -> dict:
@@ -82,14 +113,14 @@ def _add_offline_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, help="model path or repo id (default: the demo model)")
     p.add_argument("--model", default=None)
     add_engine_flags(p)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=128)
     p.add_argument("--output-json", default=None, help="write the results to this JSON file")
 
 
 def _add_throughput(p: argparse.ArgumentParser) -> None:
     _add_offline_common(p)
-    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--num-prompts", type=positive_int, default=1000)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--min-len", type=int, default=None, help="nano-vllm protocol: lengths uniform in [min, max]")
     p.add_argument("--max-len", type=int, default=None)
@@ -98,8 +129,8 @@ def _add_throughput(p: argparse.ArgumentParser) -> None:
 
 def _add_latency(p: argparse.ArgumentParser) -> None:
     _add_offline_common(p)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--num-iters", type=int, default=30)
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--num-iters", type=positive_int, default=30)
     p.add_argument("--num-iters-warmup", type=int, default=10)
     p.set_defaults(func=run_latency)
 

@@ -6,6 +6,28 @@ from ascendserve.config import (ACTIVATION_QUANTIZATION_METHODS, ARRIVAL_WINDOW_
                                 MAMBA_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs)
 
 
+def positive_int(value: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer is needed, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def positive_float(value: str) -> float:
+    """argparse type: a number > 0 (inf allowed)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number is needed, got {value!r}") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {value}")
+    return number
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that map one to one onto EngineArgs fields (`--max-model-len` -> max_model_len)."""
     d = EngineArgs()

@@ -2,7 +2,7 @@
 
 import argparse
 
-from ascendserve.cli.engine_flags import add_engine_flags, engine_args_from
+from ascendserve.cli.engine_flags import add_engine_flags, engine_args_from, positive_int
 
 
 def register(sub) -> None:
@@ -10,7 +10,7 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="generate from prompts (chat template applied unless --raw)")
     p.add_argument("prompts", nargs="+", help="one or more prompts")
     p.add_argument("--model", default=None, help="model path or repo id (default: the embedded demo model)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")

@@ -13,6 +13,9 @@ from ascendserve.platforms import get_platform
 
 logger = init_logger(__name__)
 
+# vLLM's switch for a max_model_len above the model's max_position_embeddings.
+ALLOW_LONG_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
 _DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "half": torch.float16}
 
@@ -184,8 +187,13 @@ def _resolve_max_model_len(requested: int | None, text_config) -> int:
             raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
         return limit
     if limit is not None and requested > limit:
+        if os.environ.get(ALLOW_LONG_ENV, "").strip().lower() in ("1", "true"):
+            logger.warning("max_model_len %d is larger than the model's max_position_embeddings (%d); used as asked "
+                           "(%s): positions past %d may give wrong outputs", requested, limit, ALLOW_LONG_ENV, limit)
+            return requested
         raise ValueError(f"max_model_len ({requested}) is larger than the model's "
-                         f"max_position_embeddings ({limit}); lower max_model_len")
+                         f"max_position_embeddings ({limit}); lower max_model_len, or set {ALLOW_LONG_ENV}=1 to "
+                         f"use it anyway (as vLLM; positions past {limit} may give wrong outputs)")
     return requested
 
 

@@ -167,3 +167,21 @@ def test_cli_flags_parse():
     assert (ns.min_len, ns.max_len, ns.max_model_len, ns.num_prompts) == (32, 256, 512, 1000)
     ns = build_parser().parse_args(["bench", "latency", "--batch-size", "4", "--num-iters-warmup", "1"])
     assert (ns.batch_size, ns.num_iters_warmup, ns.num_iters) == (4, 1, 30)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "serve", "--request-rate", "-1"], "--request-rate: must be greater than 0"),
+    (["bench", "serve", "--max-concurrency", "0"], "--max-concurrency: must be at least 1"),
+    (["bench", "serve", "--num-prompts", "0"], "--num-prompts: must be at least 1"),
+    (["bench", "serve", "--random-range-ratio", "1.5"], "--random-range-ratio: must be in [0, 1)"),
+    (["bench", "serve", "--percentile-metrics", "ttft,foo"], "unknown metric ['foo']"),
+    (["bench", "serve", "--metric-percentiles", "50,abc"], "--metric-percentiles: comma-separated numbers"),
+    (["bench", "throughput", "--output-len", "0"], "--output-len: must be at least 1"),
+    (["generate", "x", "--max-tokens", "0"], "--max-tokens: must be at least 1"),
+])
+def test_bad_cli_values_are_argparse_errors_naming_the_flag(argv, message, capsys):
+    """Values that ran as 'unlimited', printed an all-zero report or ended in a traceback (numpy's 'scale < 0')."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+    assert build_parser().parse_args(["bench", "serve", "--request-rate", "inf"]).request_rate == float("inf")
