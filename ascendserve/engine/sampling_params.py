@@ -99,11 +99,10 @@ class SamplingParams:
         if self.stop and not self.include_stop_str_in_output:
             self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
         if isinstance(self.structured_outputs, dict):  # vLLM's dict form: {"json": {...}} etc.
-            unknown = sorted(set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__))
-            if unknown:
-                raise ValueError(f"structured_outputs: unknown constraint {unknown}; expected one of json, regex, "
-                                 f"choice, grammar, json_object.")
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            try:
+                self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
 
     def _verify_args(self) -> None:
         _check_int("n", self.n)

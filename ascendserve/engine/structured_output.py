@@ -46,6 +46,15 @@ class StructuredOutputsParams:
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("structured outputs: choice must be a non-empty list of strings")
 
+    @classmethod
+    def from_dict(cls, spec: dict) -> "StructuredOutputsParams":
+        """vLLM's dict form ({"json": {...}}, {"regex": ...}, ...); ValueError naming a key that is no constraint."""
+        unknown = sorted(set(spec) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown constraint {unknown}; expected one of json, regex, choice, grammar, "
+                             f"json_object.")
+        return cls(**spec)
+
     def llguidance_grammar(self) -> str:
         """The llguidance grammar of this constraint (ValueError if it cannot be built)."""
         import llguidance

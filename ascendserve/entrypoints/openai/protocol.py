@@ -331,12 +331,8 @@ class _SamplingRequest(OpenAIBaseModel):
         if ignored:
             logger.warning("%s: %s accepted but has no effect here (one grammar backend, llguidance)", field, ignored)
             spec = {key: value for key, value in spec.items() if key not in _STRUCTURED_OUTPUT_OPTIONS}
-        unknown = sorted(set(spec) - set(StructuredOutputsParams.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"{field}: unknown constraint {unknown}; expected one of json, regex, choice, grammar, "
-                             f"json_object.")
         try:
-            return StructuredOutputsParams(**spec)
+            return StructuredOutputsParams.from_dict(spec)
         except ValueError as e:
             raise ValueError(f"{field}: {e}") from None
 
