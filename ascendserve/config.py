@@ -40,6 +40,7 @@ class EngineArgs:
     revision: str | None = None
     dtype: str = "auto"
     seed: int | None = 0
+    max_logprobs: int = 20  # most logprobs a request may ask for per token (vLLM's default); -1: no cap
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # None: 256, fewer for hybrid models if their state pool needs it
     max_num_batched_tokens: int | None = None
@@ -103,6 +104,8 @@ class EngineArgs:
             if getattr(self, name) not in MAMBA_CACHE_DTYPES:
                 raise ValueError(f"{name} must be one of {list(MAMBA_CACHE_DTYPES)}, got {getattr(self, name)!r}")
         _check_positive("max_num_seqs", self.max_num_seqs)
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1 (-1: no cap), got {self.max_logprobs!r}")
         _check_positive("block_size", self.block_size)
         _check_positive("max_model_len", self.max_model_len)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -159,8 +159,6 @@ def check_flags(ns: argparse.Namespace) -> None:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (e.g. --tool-call-parser qwen3_coder)")
     if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
-    if ns.max_logprobs < 0:
-        raise ValueError(f"--max-logprobs must be >= 0, got {ns.max_logprobs}")
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -93,7 +93,7 @@ class LLMEngine:
         params = params or SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
-        params.validate_against(self.vocab_size)
+        params.validate_against(self.vocab_size, self.config.args.max_logprobs)
         max_tokens = self.config.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)

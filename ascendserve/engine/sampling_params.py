@@ -178,8 +178,9 @@ class SamplingParams:
         if self.n > 1:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 
-    def validate_against(self, vocab_size: int) -> None:
-        """Raise ValueError if a token id field or logprobs exceeds a `vocab_size` vocabulary."""
+    def validate_against(self, vocab_size: int, max_logprobs: int = -1) -> None:
+        """Raise ValueError if a token id field or logprobs exceeds a `vocab_size` vocabulary, or logprobs (-1: the
+        whole vocabulary) asks for more than `max_logprobs` (-1: no cap)."""
         fields = {
             "logit_bias": list(self.logit_bias or ()),
             "allowed_token_ids": self.allowed_token_ids or [],
@@ -193,6 +194,10 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise ValueError(f"logprobs must be at most the vocabulary size {vocab_size}, "
                              f"got {self.logprobs}.")
+        requested = vocab_size if self.logprobs == -1 else self.logprobs
+        if requested is not None and max_logprobs != -1 and requested > max_logprobs:
+            raise ValueError(f"logprobs: requested {requested} logprobs per token, but at most {max_logprobs} are "
+                             f"allowed (max_logprobs; -1 lifts the cap).")
 
     @cached_property
     def sampling_type(self) -> SamplingType:

@@ -43,6 +43,9 @@ class LLM:
         from ascendserve.entrypoints.openai.chat_utils import normalize_messages
         from ascendserve.entrypoints.openai.errors import OpenAIError
 
+        if continue_final_message and add_generation_prompt:  # transformers' and the server's error, before any work
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: pass "
+                             "add_generation_prompt=False to continue the last assistant message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = []
@@ -53,7 +56,7 @@ class LLM:
                 raise ValueError(e.message) from None
             text = tokenizer.apply_chat_template(
                 conversation, tokenize=False, chat_template=chat_template, tools=tools,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "add_special_tokens": False})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -118,6 +118,11 @@ def test_validate_against_vocab():
                           ({"logprobs": 11}, "logprobs")]:
         with pytest.raises(ValueError, match=rf"^{field}.*\b(9|10)\b"):
             SamplingParams(**kwargs).validate_against(10)
+    SamplingParams(logprobs=-1).validate_against(10, max_logprobs=10)  # -1: the whole vocabulary, 10 here
+    SamplingParams(logprobs=10).validate_against(10, max_logprobs=-1)  # -1: no cap
+    for logprobs in (6, -1):
+        with pytest.raises(ValueError, match=r"^logprobs: requested (6|10) .* at most 5"):
+            SamplingParams(logprobs=logprobs).validate_against(10, max_logprobs=5)
 
 
 def test_clone_is_independent():

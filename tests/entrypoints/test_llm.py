@@ -27,7 +27,8 @@ def test_unknown_engine_argument_lists_valid_ones():
 
 @pytest.mark.parametrize("kwargs, field", [({"dtype": "int8"}, "dtype"), ({"max_num_seqs": 0}, "max_num_seqs"),
                                            ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-                                           ({"block_size": -1}, "block_size")])
+                                           ({"block_size": -1}, "block_size"),
+                                           ({"max_logprobs": -2}, "max_logprobs")])
 def test_bad_engine_argument_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(**kwargs)
@@ -133,6 +134,11 @@ def test_logprobs_shape(llm):
         assert all(isinstance(e.decoded_token, str) for e in entry.values())
         total += entry[token].logprob
     assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-6)
+    # max_logprobs (vLLM's default 20) holds the offline API as the server's --max-logprobs holds a request
+    for too_many in (21, -1):
+        with pytest.raises(ValueError, match=r"logprobs: requested (21|49152) .* at most 20 .*max_logprobs"):
+            llm.generate("x", SamplingParams(max_tokens=2, logprobs=too_many), use_tqdm=False)
+    assert pool_is_idle(llm)
 
 
 def test_chat_uses_the_checkpoint_template(llm):
@@ -146,5 +152,11 @@ def test_chat_uses_the_checkpoint_template(llm):
     parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}],
                      SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert parts[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.chat([{"role": "assistant", "content": "The"}], continue_final_message=True, use_tqdm=False)
+    cont = llm.chat([{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour"}],
+                    SamplingParams(temperature=0, max_tokens=4), continue_final_message=True,
+                    add_generation_prompt=False, use_tqdm=False)
+    assert cont[0].prompt.endswith("The colour")  # no end-of-turn, no new assistant header
     with pytest.raises(ValueError, match="text only"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)

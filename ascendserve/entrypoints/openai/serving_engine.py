@@ -38,7 +38,7 @@ class ServerOptions:
     """The server flags the request handlers read (everything else lives in EngineArgs)."""
 
     max_waiting_requests: int | None = None
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # -1: no cap
     log_requests: bool = True
     chat_template: str | None = None
     trust_request_chat_template: bool = False
@@ -116,7 +116,7 @@ class OpenAIServing:
             params = request.to_sampling_params(limit - num_prompt_tokens, self.options.default_sampling_params)
         except ValueError as e:
             raise OpenAIError(str(e), 400, param=_param_in(str(e))) from None
-        if params.logprobs is not None and params.logprobs > self.options.max_logprobs:
+        if params.logprobs is not None and -1 < self.options.max_logprobs < params.logprobs:
             field = "top_logprobs" if getattr(request, "top_logprobs", None) else "logprobs"
             raise OpenAIError(f"{field}: requested {params.logprobs} logprobs per token, but this server allows "
                               f"at most {self.options.max_logprobs} (--max-logprobs).", 400, param=field)
