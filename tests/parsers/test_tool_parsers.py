@@ -101,6 +101,10 @@ HERMES_CASES = [
      [("f", {"q": 1})]),
     ("unclosed", '<tool_call>\n{"name": "f", "arguments": {"q": "v"}}', None, [("f", {"q": "v"})]),
     ("invalid_json_dropped", "Text <tool_call>{not json}</tool_call>", "Text ", []),
+    # a string value that mentions the closing tag (a coding agent writing about tool calls) is not the call's end
+    ("end_tag_inside_string", '<tool_call>\n{"name": "write", "arguments": {"text": "ends with </tool_call> \\" ok"'
+     '}}\n</tool_call>\n<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>', None,
+     [("write", {"text": 'ends with </tool_call> " ok'}), ("b", {})]),
 ]
 
 
@@ -220,6 +224,14 @@ def test_hermes_extract(tokenizer, name, output, content, calls):
 @pytest.mark.parametrize("name,output,content,calls", HERMES_CASES, ids=[c[0] for c in HERMES_CASES])
 def test_hermes_streaming(tokenizer, name, output, content, calls, tokens_per_step):
     check_streaming(Hermes2ProToolParser, tokenizer, output, chat_request(), tokens_per_step)
+
+
+def test_hermes_broken_json_ends_at_the_first_end_tag(tokenizer):
+    # A string left open would run the call to the end of the text; a model that wrote broken JSON meant the first
+    # `</tool_call>`, so the whole output's next call is kept (streamed, the broken call's name has already gone out).
+    output = ('<tool_call>{"name": "a", "arguments": {"q": "open}</tool_call>\n<tool_call>{"name": "b", "arguments": '
+              '{}}</tool_call>')
+    check_non_streaming(Hermes2ProToolParser(tokenizer), output, chat_request(), None, [("b", {})])
 
 
 def test_hermes_sends_name_before_arguments_close(tokenizer):

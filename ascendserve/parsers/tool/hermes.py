@@ -18,7 +18,10 @@ logger = init_logger(__name__)
 
 TOOL_CALL_START = "<tool_call>"
 
-_BLOCK_RE = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.DOTALL)
+TOOL_CALL_END = "</tool_call>"
+# Inside a call's JSON: a string (to its closing quote, or to the end of the text while it is open) or the call's end.
+# A `</tool_call>` inside a string value is text, not the end.
+_STRING_OR_END_RE = re.compile(r'"(?:[^"\\]|\\(?:.|\Z))*(?:"|\Z)|</tool_call>', re.DOTALL)
 # The name, when the object starts with it, can be sent before the arguments are complete.
 _LEADING_NAME_RE = re.compile(r'\A\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
@@ -36,15 +39,29 @@ class Hermes2ProToolParser(ToolParser):
     def parse_calls(self, region: str, request: ChatCompletionRequest | None, final: bool) -> list[StreamedCall]:
         """One call per `<tool_call>` block; a block that is not a JSON call object is dropped."""
         calls = []
-        for match in _BLOCK_RE.finditer(region):
-            body = match.group(1)
-            if final or match.group(2):
-                call = _parse_block(body)
-            else:
-                call = StreamedCall(name=_leading_name(body))
+        for body, closed in _blocks(region, final):
+            call = _parse_block(body) if final or closed else StreamedCall(name=_leading_name(body))
             if call is not None:
                 calls.append(call)
         return calls
+
+
+def _blocks(region: str, final: bool):
+    """(body, closed) of each `<tool_call>` block. A body that opens a JSON object ends at the first `</tool_call>`
+    outside its strings; once the text is complete, one left open that way ends at the first `</tool_call>` at all
+    (what a model that wrote broken JSON meant)."""
+    start = region.find(TOOL_CALL_START)
+    while start >= 0:
+        body_start = start + len(TOOL_CALL_START)
+        end = region.find(TOOL_CALL_END, body_start)
+        if region[body_start:].lstrip().startswith("{"):
+            ends = (m.start() for m in _STRING_OR_END_RE.finditer(region, body_start) if m.group() == TOOL_CALL_END)
+            end = next(ends, -1 if not final else end)
+        if end < 0:
+            yield region[body_start:], False
+            return
+        yield region[body_start:end], True
+        start = region.find(TOOL_CALL_START, end + len(TOOL_CALL_END))
 
 
 def _leading_name(body: str) -> str | None:
