@@ -162,3 +162,37 @@ def test_forced_call_grammars_compile_for_defs_untyped_and_tagged_values(llm):
     assert not accepts("qwen3_coder", schema, "<parameter=note>\na</function>b\n</parameter>\n</function>")
     assert accepts("hermes", {"properties": {"a": {"type": "integer"}}}, '{"a": 1}}\n</tool_call>')
     assert not accepts("hermes", {"properties": {"a": {"type": "integer"}}}, '5}\n</tool_call>')
+
+
+def test_forced_call_grammars_keep_required_parameters_and_escape_names(llm):
+    """qwen3_coder: the schema's properties in its order, each once, the required ones always (as hermes' JSON
+    schema holds them); hermes: a name is written as JSON string text; names the qwen3_coder parser could not read
+    back are a ValueError (a 400 at the server)."""
+    from ascendserve.entrypoints.openai.chat_utils import forced_call_grammar
+    from ascendserve.parsers.tool import Hermes2ProToolParser
+
+    compiler, tokenizer = llm.llm_engine.grammar_compiler, llm.get_tokenizer()
+
+    def accepts(parser: str, tools: list[dict], name: str | None, text: str) -> bool:
+        state, = compiler.compile(StructuredOutputsParams(grammar=forced_call_grammar(parser, tools, name)), 1)
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            state.accept(token)
+        return state.ended and not state.failed
+
+    f = [{"name": "f", "parameters": {"properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                                      "required": ["b"]}}]
+    block = {"a": "<parameter=a>\n1\n</parameter>\n", "b": "<parameter=b>\nx\n</parameter>\n"}
+    assert accepts("qwen3_coder", f, "f", block["b"] + "</function>")
+    assert accepts("qwen3_coder", f, "f", block["a"] + block["b"] + "</function>")
+    for text in ("</function>", block["a"] + "</function>", block["b"] + block["a"] + "</function>",
+                 block["b"] + block["b"] + "</function>"):
+        assert not accepts("qwen3_coder", f, "f", text), text
+    quoted = [{"name": 'say "hi"', "parameters": {}}, {"name": "other", "parameters": {}}]
+    written = 'say \\"hi\\"", "arguments": {}}\n</tool_call>'
+    assert accepts("hermes", quoted, None, written)
+    info = Hermes2ProToolParser(tokenizer).extract_tool_calls('<tool_call>\n{"name": "' + written, None)
+    assert [c.function.name for c in info.tool_calls] == ['say "hi"']
+    with pytest.raises(ValueError, match="function name 'say \"hi\"' cannot be written in qwen3_coder"):
+        forced_call_grammar("qwen3_coder", quoted, None)
+    with pytest.raises(ValueError, match="parameter name 'a>b' of function 'f' cannot be written"):
+        forced_call_grammar("qwen3_coder", [{"name": "f", "parameters": {"properties": {"a>b": {}}}}], "f")

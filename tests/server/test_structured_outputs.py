@@ -105,6 +105,14 @@ def test_qwen3_coder_forced_calls_name_a_tool_and_typed_arguments(server):
             arguments = json.loads(call.function.arguments)
             assert call.function.name in ("get_weather", "get_time")
             assert isinstance(arguments.get("days", 0), int) and arguments.get("zone", "UTC") in ("UTC", "CET")
+            assert {"get_weather": "city", "get_time": "zone"}[call.function.name] in arguments  # required
+    bad = [{"type": "function", "function": {"name": "get weather", "parameters": {"type": "object"}}}]
+    with server.http() as http:  # a name qwen3_coder's parser would drop: a forced call could never parse
+        for choice in ("required", {"type": "function", "function": {"name": "get weather"}}):
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "tools": bad,
+                                                        "tool_choice": choice})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+            assert "'get weather' cannot be written" in r.json()["error"]["message"]
 
 
 @pytest.fixture(scope="module")

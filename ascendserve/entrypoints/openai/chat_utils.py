@@ -4,6 +4,7 @@ import json
 import os
 
 from ascendserve.entrypoints.openai.errors import OpenAIError
+from ascendserve.parsers.tool.qwen3_coder import BAD_NAME_RE as CODER_BAD_NAME_RE
 
 # Strings that mark a --chat-template value as a template rather than a file name.
 _JINJA_MARKERS = ("{{", "{%")
@@ -25,6 +26,10 @@ def forced_call_grammar(parser: str, tools: list[dict], name: str | None) -> str
     arguments as a JSON object of the function's parameter schema; qwen3_coder: `<parameter=NAME>` blocks of the
     schema's properties, strings as raw text (anything up to the block's end), other types as JSON of their schema."""
     schemas = {tool["name"]: {"type": "object", **(tool.get("parameters") or {})} for tool in tools}
+    for tool, schema in schemas.items():
+        call_name_text(parser, tool)
+        if parser != "hermes":
+            _check_coder_property_names(tool, schema)
     rules = []
 
     def arguments(i: int, tool: str) -> str:
@@ -37,7 +42,7 @@ def forced_call_grammar(parser: str, tools: list[dict], name: str | None) -> str
     else:
         after_name = '", "arguments": ' if parser == "hermes" else ">\n"
         for i, tool in enumerate(schemas):
-            rules.append(f"call_{i}: {_lark(tool + after_name)} {arguments(i, tool)}")
+            rules.append(f"call_{i}: {_lark(call_name_text(parser, tool) + after_name)} {arguments(i, tool)}")
         rules.append("start: " + " | ".join(f"call_{i}" for i in range(len(schemas))))
     if parser != "hermes":  # a raw-text value: the shortest text that ends its block, with none of the tags the
         # parser splits at inside it (its regexes would cut the call there)
@@ -47,13 +52,35 @@ def forced_call_grammar(parser: str, tools: list[dict], name: str | None) -> str
     return "\n".join(rules) + "\n"
 
 
+def call_name_text(parser: str, name: str) -> str:
+    """How a forced call writes the function's name in `parser`'s format (hermes: inside a JSON string); ValueError for
+    a name the parser could not read back."""
+    if parser == "hermes":
+        return json.dumps(name, ensure_ascii=False)[1:-1]
+    if not name or CODER_BAD_NAME_RE.search(name):
+        raise ValueError(f"tools: the function name {name!r} cannot be written in {parser}'s call format "
+                         f"(`<function=NAME>` takes no spaces, quotes, braces or angle brackets)")
+    return name
+
+
+def _check_coder_property_names(tool: str, schema: dict) -> None:
+    properties = schema.get("properties")
+    for prop in properties if isinstance(properties, dict) else ():
+        if not prop or prop != prop.strip() or any(c in prop for c in "<>\n"):
+            raise ValueError(f"tools: the parameter name {prop!r} of function {tool!r} cannot be written in "
+                             f"qwen3_coder's call format (`<parameter=NAME>` takes no angle brackets, newlines or "
+                             f"surrounding spaces)")
+
+
 def _coder_params(schema: dict, prefix: str, rules: list[str]) -> str:
-    """qwen3_coder's parameter blocks of one function (a rule per property, added to `rules`): any of them, in any
-    order, as the parser takes them; with no properties in the schema, any parameter name."""
+    """qwen3_coder's parameter blocks of one function (a rule per property, added to `rules`): in the schema's order
+    (the one the chat template shows the model), each at most once, the schema's required ones always; with no
+    properties in the schema, any parameter names."""
     properties = schema.get("properties") if isinstance(schema, dict) else None
     if not properties:
         rules.append(f'{prefix}_any: "<parameter=" /[^>\\n]+/ ">\\n" coder_text')
         return f"{prefix}_any*"
+    required = set(schema.get("required") or ())
     names = []
     definitions = {key: schema[key] for key in ("$defs", "definitions") if key in schema}  # what $refs point into
     for j, (prop, prop_schema) in enumerate(properties.items()):
@@ -63,8 +90,8 @@ def _coder_params(schema: dict, prefix: str, rules: list[str]) -> str:
         else:  # a string (or a schema of several types): the raw text
             value = "coder_text"
         rules.append(f"{prefix}_{j}: {opening} {value}")
-        names.append(f"{prefix}_{j}")
-    return "(" + " | ".join(names) + ")*"
+        names.append(f"{prefix}_{j}" + ("" if prop in required else "?"))
+    return " ".join(names)
 
 
 # qwen3_coder parameter types written as JSON (the parser converts them with json.loads); others are raw text

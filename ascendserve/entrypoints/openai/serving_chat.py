@@ -6,7 +6,8 @@ from fastapi import Request
 
 from ascendserve.engine.outputs import Logprob
 from ascendserve.engine.structured_output import StructuredOutputsParams
-from ascendserve.entrypoints.openai.chat_utils import TOOL_CALL_OPENINGS, forced_call_grammar, render_chat
+from ascendserve.entrypoints.openai.chat_utils import (TOOL_CALL_OPENINGS, call_name_text, forced_call_grammar,
+                                                       render_chat)
 from ascendserve.entrypoints.openai.errors import OpenAIError
 from ascendserve.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                      ChatCompletionLogProbsContent, ChatCompletionRequest,
@@ -168,7 +169,10 @@ class OpenAIServingChat(OpenAIServing):
         if isinstance(choice, str) and len(request.tools) > 1:  # "required": the model picks the function
             return opening
         name = choice.function.name if not isinstance(choice, str) else request.tools[0].function.name
-        return named.format(name=name)
+        try:
+            return named.format(name=call_name_text(parser, name))
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, param="tools") from None
 
     def _forced_call_grammar(self, request: ChatCompletionRequest) -> StructuredOutputsParams:
         """`required` / named tool_choice: the grammar that holds the rest of the forced call to the tools' schemas
@@ -183,7 +187,11 @@ class OpenAIServingChat(OpenAIServing):
         else:  # "required": one tool is named in the opening, several are left to the grammar
             name = tools[0].name if len(tools) == 1 else None
         definitions = [{"name": t.name, "parameters": t.parameters} for t in tools if name is None or t.name == name]
-        return StructuredOutputsParams(grammar=forced_call_grammar(self.options.tool_call_parser, definitions, name))
+        try:
+            grammar = forced_call_grammar(self.options.tool_call_parser, definitions, name)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, param="tools") from None
+        return StructuredOutputsParams(grammar=grammar)
 
     def _reasoning_end_token(self, request: ChatCompletionRequest, prompt_ids: list[int]) -> int | None:
         """Structured outputs leave a reasoning model's thinking free: the token that ends it, where the prompt leaves

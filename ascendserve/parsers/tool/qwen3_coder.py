@@ -28,7 +28,7 @@ _FUNCTION_RE = re.compile(r"<function=(.*?)(</function>|(?=</tool_call>|<tool_ca
 # A value ends at </parameter>, or where the next parameter or </function> begins, or at the end.
 _PARAMETER_RE = re.compile(r"<parameter=(.*?)(</parameter>|(?=<parameter=|</function>)|\Z)", re.DOTALL)
 # Names with these characters are unrendered template text, not calls.
-_BAD_NAME_RE = re.compile(r"""[{}<>"'\s]""")
+BAD_NAME_RE = re.compile(r"""[{}<>"'\s]""")
 
 
 class Qwen3CoderToolParser(ToolParser):
@@ -58,7 +58,7 @@ def _parse_function(body: str, closed: bool, request: ChatCompletionRequest | No
     if name_end < 0:
         return None if closed else StreamedCall(name=None)
     name = body[:name_end].strip()
-    if not name or _BAD_NAME_RE.search(name):
+    if not name or BAD_NAME_RE.search(name):
         return None
     properties = tool_properties(request, name)
     complete: dict[str, Any] = {}
