@@ -4,9 +4,11 @@ The demo model never writes `<think>` or `<tool_call>`, so here a scripted engin
 app is the real one (in-process), only the engine is a double with AsyncLLM's surface.
 """
 
+import asyncio
 import json
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -217,6 +219,61 @@ def test_app_overload_and_dead_engine(tokenizer):
     assert r.json()["error"]["type"] == "ServiceUnavailableError"
     engine.errored = True
     assert client.get("/health").status_code == 503
+
+
+def test_long_prompts_tokenize_off_the_event_loop(tokenizer):
+    """A long prompt is tokenized on the tokenizer thread: other coroutines run meanwhile (a synchronous encode
+    would let none of them in), and the ids are the tokenizer's."""
+    from ascendserve.entrypoints.openai.serving_engine import OFF_LOOP_TOKENIZE_CHARS, OpenAIServing
+
+    serving = OpenAIServing(ScriptedEngine(tokenizer), ServingModels(["qwen3.5"], "/m", 4096), ServerOptions())
+    text = "The quick brown fox jumps over the lazy dog. 你好世界 " * 2000
+    assert len(text) >= OFF_LOOP_TOKENIZE_CHARS
+
+    async def run():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0)
+        before = ticks
+        ids = await serving.tokenize(text, add_special_tokens=False)
+        task.cancel()
+        return ids, ticks - before
+
+    ids, ticks = asyncio.run(run())
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    assert ticks > 1
+
+
+class CountingEngine(ScriptedEngine):
+    """Counts every added request as waiting (none ever runs), as AsyncLLM counts a pending add."""
+
+    async def add_request(self, request_id, prompt, params):
+        self.num_waiting += 1
+        return await super().add_request(request_id, prompt, params)
+
+
+def test_waiting_limit_holds_while_prompts_tokenize(tokenizer):
+    """--max-waiting-requests 2 and four long prompts sent together: all four pass the check on arrival (nothing
+    waits yet) and then wait for the tokenizer thread; the check before the add lets exactly two in."""
+    engine = CountingEngine(tokenizer, script="ok")
+    app = make_client(engine, max_waiting_requests=2).app
+    prompt = "word " * 1000
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return await asyncio.gather(*[http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+                                          for _ in range(4)])
+
+    statuses = sorted(r.status_code for r in asyncio.run(run()))
+    assert statuses == [200, 200, 503, 503] and engine.num_waiting == 2
 
 
 def test_app_cors_follows_the_flags(tokenizer):

@@ -80,7 +80,7 @@ def build_app(engine, models: ServingModels, options: ServerOptions, *, metrics=
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
-        return tokenization.create_tokenize(request, chat)
+        return await tokenization.create_tokenize(request, chat)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:

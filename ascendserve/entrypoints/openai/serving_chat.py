@@ -129,7 +129,8 @@ class OpenAIServingChat(OpenAIServing):
         model = self.admit(request)
         prefix = self._check_tool_choice(request)
         prompt_text = self._render(request, prefix)
-        prompt_ids = self.truncate_prompt(request, self.tokenize(prompt_text, request.add_special_tokens))
+        prompt_ids = self.truncate_prompt(request, await self.tokenize(prompt_text, request.add_special_tokens))
+        self.check_waiting_limit()
         params = self.sampling_params(request, len(prompt_ids), "messages")
         if prefix:  # one forced call, held to the tools' schemas; its grammar's end ends the request
             params.structured_outputs = self._forced_call_grammar(request)

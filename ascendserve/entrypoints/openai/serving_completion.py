@@ -22,9 +22,10 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request | None = None):
         """A CompletionResponse, or an SSEResponse when `stream` is set."""
         model = self.admit(request)
-        prompts = self._prompts(request)
+        prompts = await self._prompts(request)
         base_id = f"cmpl-{random_uuid()}"
         streams = []
+        self.check_waiting_limit()
         try:
             for i, (text, ids) in enumerate(prompts):
                 params = self.sampling_params(request, len(ids), "prompt")
@@ -43,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             abort_all(streams)
 
-    def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         prompt = request.prompt
         if isinstance(prompt, str):
             items = [prompt]
@@ -54,7 +55,7 @@ class OpenAIServingCompletion(OpenAIServing):
         out = []
         for item in items:
             text = item if isinstance(item, str) else None
-            ids = self.tokenize(text, request.add_special_tokens) if text is not None else list(item)
+            ids = await self.tokenize(text, request.add_special_tokens) if text is not None else list(item)
             kept = self.truncate_prompt(request, ids)
             # A text prompt that lost tokens echoes what the model saw; token ids are decoded only for echo, once
             # the engine checked them.

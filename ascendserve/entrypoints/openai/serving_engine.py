@@ -1,6 +1,8 @@
 """What chat and completions share: admission checks, sampling params, SSE framing, disconnects."""
 
 import asyncio
+import concurrent.futures
+import functools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,6 +21,12 @@ logger = init_logger(__name__)
 
 # Seconds a client is asked to wait (Retry-After) when the waiting queue is full.
 RETRY_AFTER_S = 1
+
+# Prompts of at least this many characters are tokenized on the tokenizer thread (the Rust tokenizer lets go of the
+# GIL), so a long prompt (~100 ms for 50k tokens) does not stall every other stream's event loop; shorter ones cost
+# less than the hop.
+OFF_LOOP_TOKENIZE_CHARS = 4096
+_tokenizer_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 @dataclass
@@ -68,19 +76,31 @@ class OpenAIServing:
         name = self.models.check_model(request.model)
         if self.engine.errored:
             raise OpenAIError("The engine has failed and cannot serve requests; restart the server.", 503)
+        self.check_waiting_limit()
+        return name
+
+    def check_waiting_limit(self) -> None:
+        """503 over --max-waiting-requests. Checked on arrival, and again just before a request's first add (the
+        tokenizer thread may have let others in meanwhile): nothing awaits between that check and the engine counting
+        the add as pending."""
         limit = self.options.max_waiting_requests
         if limit is not None and self.engine.num_waiting >= limit:
             raise OpenAIError(f"The server is overloaded: {self.engine.num_waiting} requests are waiting "
                               f"(--max-waiting-requests {limit}); retry later.", 503,
                               headers={"Retry-After": str(RETRY_AFTER_S)})
-        return name
 
-    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of a text prompt."""
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of a text prompt; a long one is tokenized off the event loop (OFF_LOOP_TOKENIZE_CHARS)."""
+        global _tokenizer_pool
         if self.tokenizer is None:
             raise OpenAIError("This server runs without a tokenizer (--skip-tokenizer-init): "
                               "send token ids, not text.", 400, param="prompt")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        if len(text) < OFF_LOOP_TOKENIZE_CHARS:
+            return encode()
+        if _tokenizer_pool is None:  # one thread: requests are tokenized in arrival order, as vLLM's pool of one
+            _tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ascendserve-tokenizer")
+        return await asyncio.get_running_loop().run_in_executor(_tokenizer_pool, encode)
 
     def truncate_prompt(self, request, token_ids: list[int]) -> list[int]:
         """The prompt the engine sees under vLLM's `truncate_prompt_tokens` k: its last k ids (left truncation,

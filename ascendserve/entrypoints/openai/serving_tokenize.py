@@ -9,14 +9,14 @@ from ascendserve.entrypoints.openai.serving_engine import OpenAIServing
 class OpenAIServingTokenization(OpenAIServing):
     """Tokenize a prompt or rendered chat, and decode token ids."""
 
-    def create_tokenize(self, request, chat) -> TokenizeResponse:
+    async def create_tokenize(self, request, chat) -> TokenizeResponse:
         """Token ids of a prompt, or of messages rendered like /v1/chat/completions renders them."""
         self.models.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
             text = chat._render(request, "")
         else:
             text = request.prompt
-        ids = self.tokenize(text, request.add_special_tokens)
+        ids = await self.tokenize(text, request.add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
