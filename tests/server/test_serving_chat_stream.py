@@ -187,6 +187,53 @@ def test_app_streaming_reasoning_and_tool_calls(tokenizer):
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def stream_deltas(client, body) -> tuple[list[dict], list[dict]]:
+    """(deltas, chunks) of a streamed chat completion."""
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[len("data: "):]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    return [c["choices"][0]["delta"] for c in chunks if c["choices"]], chunks
+
+
+def test_app_parallel_tool_calls_false_keeps_the_first_call(tokenizer):
+    second = CALL.replace("Paris", "Oslo")
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS}
+    for parallel, cities in [(None, ["Paris", "Oslo"]), (True, ["Paris", "Oslo"]), (False, ["Paris"])]:
+        client = make_client(ScriptedEngine(tokenizer, script=REASONING_THEN_CALL + "\n" + second))
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        message = client.post("/v1/chat/completions", json={**body, **extra}).json()["choices"][0]["message"]
+        assert [json.loads(c["function"]["arguments"])["city"] for c in message["tool_calls"]] == cities
+        deltas, chunks = stream_deltas(client, {**body, **extra})
+        calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+        assert sorted({tc["index"] for tc in calls}) == list(range(len(cities)))
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_app_history_and_continuation_readings(tokenizer):
+    """A replayed call whose arguments are "" / null / not an object renders with {} (was a 400 from the template);
+    continue_final_message after a turn whose thinking the template closed streams content, not reasoning; echo
+    returns an assistant message given as content parts."""
+    engine = ScriptedEngine(tokenizer, script=" sunny today.")
+    client = make_client(engine)
+    for arguments in ("", None, "[1, 2]", "{broken"):
+        history = [{"role": "user", "content": "Time?"},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "c1", "type": "function", "function": {"name": "now", "arguments": arguments}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+        r = client.post("/v1/chat/completions", json={"messages": history})
+        assert r.status_code == 200, (arguments, r.text)
+        assert "<function=now>\n</function>" in engine.prompts[-1]["prompt"]
+    cont = {"messages": [{"role": "user", "content": "Weather?"},
+                         {"role": "assistant", "content": [{"type": "text", "text": "The answer is"}]}],
+            "continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    message = client.post("/v1/chat/completions", json=cont).json()["choices"][0]["message"]
+    assert engine.prompts[-1]["prompt"].endswith("</think>\n\nThe answer is")
+    assert message["content"] == "The answer is sunny today." and message["reasoning_content"] is None
+    deltas, _ = stream_deltas(client, cont)
+    assert "".join(d.get("content") or "" for d in deltas) == "The answer is sunny today."
+    assert not any(d.get("reasoning_content") for d in deltas)
+
+
 def test_app_named_tool_choice_forces_the_opening_into_the_prompt(tokenizer):
     engine = ScriptedEngine(tokenizer, script="<parameter=city>\nOslo\n</parameter>\n")
     client = make_client(engine)

@@ -154,15 +154,19 @@ def _join_text_parts(parts: list, index: int) -> str:
 
 
 def _parse_arguments(call):
+    """A history tool call with its arguments as an object, as templates iterate them: a JSON string decoded; an
+    empty, null, broken or non-object one made {} (vLLM's reading; agents replay a call without arguments as "")."""
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         return call
     arguments = call["function"].get("arguments")
     if isinstance(arguments, str):
         try:
-            call = {**call, "function": {**call["function"], "arguments": json.loads(arguments)}}
+            arguments = json.loads(arguments)
         except json.JSONDecodeError:
-            pass
-    return call
+            arguments = None
+    if not isinstance(arguments, dict):
+        arguments = {}
+    return {**call, "function": {**call["function"], "arguments": arguments}}
 
 
 def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None, tools: list[dict] | None,

@@ -7,7 +7,7 @@ from fastapi import Request
 from ascendserve.engine.outputs import Logprob
 from ascendserve.engine.structured_output import StructuredOutputsParams
 from ascendserve.entrypoints.openai.chat_utils import (TOOL_CALL_OPENINGS, call_name_text, forced_call_grammar,
-                                                       render_chat)
+                                                       normalize_messages, render_chat)
 from ascendserve.entrypoints.openai.errors import OpenAIError
 from ascendserve.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                      ChatCompletionLogProbsContent, ChatCompletionRequest,
@@ -77,8 +77,14 @@ class ChatChoiceParser:
             dm = self.tool_parser.extract_tool_calls_streaming(previous, self.content_text, content, previous_ids,
                                                                self.content_ids, content_ids, self.request)
             content = (dm.content or "") if dm else ""
-            tool_calls = dm.tool_calls if dm else []
+            tool_calls = self._allowed_calls(dm.tool_calls if dm else [])
         return _delta(reasoning if self.request.include_reasoning else None, content, tool_calls)
+
+    def _allowed_calls(self, calls: list) -> list:
+        """`parallel_tool_calls: false`: the first call only (vLLM's filter; a stream's deltas of index 0)."""
+        if self.request.parallel_tool_calls is False:
+            return [call for call in calls if call.index == 0]
+        return calls
 
     def finish(self) -> DeltaMessage | None:
         """What the parsers held back, flushed at the end of the output."""
@@ -87,7 +93,7 @@ class ChatChoiceParser:
         if self.prefix and not self.content_text:
             self.content_text = self.prefix
         dm = self.tool_parser.finish_streaming(self.content_text, self.request)
-        return _delta(None, (dm.content or "") if dm else "", dm.tool_calls if dm else [])
+        return _delta(None, (dm.content or "") if dm else "", self._allowed_calls(dm.tool_calls if dm else []))
 
     def parse(self, text: str) -> ChatMessage:
         """The whole message of a finished output (non-streaming)."""
@@ -99,7 +105,8 @@ class ChatChoiceParser:
             message = ChatMessage(content=content or None, reasoning_content=reasoning)
         else:
             info = self.tool_parser.extract_tool_calls(content, self.request)
-            message = ChatMessage(content=info.content, tool_calls=info.tool_calls, reasoning_content=reasoning)
+            calls = info.tool_calls[:1] if self.request.parallel_tool_calls is False else info.tool_calls
+            message = ChatMessage(content=info.content, tool_calls=calls, reasoning_content=reasoning)
         if not self.request.include_reasoning:
             message.reasoning = message.reasoning_content = None
         return message
@@ -229,17 +236,20 @@ class OpenAIServingChat(OpenAIServing):
         reasoning = None
         if self.reasoning_parser_cls is not None and not prefix:
             reasoning = self.reasoning_parser_cls(self.tokenizer, request.chat_template_kwargs)
-            if not request.continue_final_message and reasoning.is_reasoning_end(prompt_ids):
-                reasoning = None  # e.g. enable_thinking=False closed it in the prompt
+            if reasoning.is_reasoning_end(prompt_ids):
+                # enable_thinking=False closed it in the prompt; or continue_final_message carries on an assistant
+                # turn whose thinking the template closed
+                reasoning = None
         tool = None
         if self.tool_parser_cls is not None and request.tools and request.tool_choice != "none":
             tool = self.tool_parser_cls(self.tokenizer)
         return ChatChoiceParser(request, reasoning, tool, prefix)
 
     def _echo(self, request: ChatCompletionRequest) -> str:
+        """`echo`: the last message's text (content parts joined, as rendered) when it is the assistant's."""
         last = request.messages[-1]
-        if request.echo and last.get("role") == "assistant" and isinstance(last.get("content"), str):
-            return last["content"]
+        if request.echo and last.get("role") == "assistant":
+            return normalize_messages([last])[0]["content"]
         return ""
 
     # -- responses ----------------------------------------------------------------------------
