@@ -23,6 +23,7 @@ JSON_FLAG_EXAMPLES = {
     "--limit-mm-per-prompt": '\'{"image":2,"video":0}\'',
     "--hf-overrides": '\'{"max_position_embeddings":32768}\'',
     "--speculative-config": '\'{"method":"mtp","num_speculative_tokens":1}\'',
+    "--default-chat-template-kwargs": '\'{"enable_thinking":false}\'',
 }
 
 # Flags accepted for compatibility that change nothing in this engine: (argparse kwargs, why).
@@ -52,6 +53,14 @@ NO_EFFECT_FLAGS = {
     "--structured-outputs-config": ({}, "structured outputs run on llguidance (vLLM's guidance backend) whichever "
                                         "backend is named, after the reasoning where a reasoning parser runs"),
     "--guided-decoding-backend": ({}, "structured outputs run on llguidance (vLLM's guidance backend)"),
+    "--chat-template-content-format": ({"choices": ["auto", "string", "openai"]},
+                                       "text content parts are joined into one string for the template (vLLM's "
+                                       "'string' format)"),
+    "--enable-prompt-tokens-details": ({"action": "store_true"}, "usage carries no prompt_tokens_details"),
+    "--return-tokens-as-token-ids": ({"action": "store_true"}, "logprobs name tokens by their text"),
+    "--response-role": ({}, "replies carry the role 'assistant'"),
+    "--tool-parser-plugin": ({}, "parser plugins are not loaded; the built-in tool-call parsers are hermes, "
+                                 "qwen3_coder and qwen3_xml"),
 }
 
 
@@ -98,6 +107,13 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None)
     p.add_argument("--tool-call-parser", default=None)
     p.add_argument("--enable-auto-tool-choice", action="store_true")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="tool_choice none: render the prompt without the tools")
+    p.add_argument("--default-chat-template-kwargs", type=_json_flag("--default-chat-template-kwargs"), default=None,
+                   help='chat template kwargs for every request, under its own chat_template_kwargs, e.g. '
+                        '\'{"enable_thinking":false}\'')
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with a usage chunk, whatever its stream_options")
     p.add_argument("--chat-template", default=None, help="a Jinja file or template string")
     p.add_argument("--trust-request-chat-template", action="store_true")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (or VLLM_API_KEY)")
@@ -155,6 +171,10 @@ def check_flags(ns: argparse.Namespace) -> None:
         get_reasoning_parser(ns.reasoning_parser)
     if ns.tool_call_parser:
         get_tool_parser(ns.tool_call_parser)
+    if ns.default_chat_template_kwargs is not None and not isinstance(ns.default_chat_template_kwargs, dict):
+        raise ValueError(f"--default-chat-template-kwargs must be a JSON object, got "
+                         f"{json.dumps(ns.default_chat_template_kwargs)}; example: "
+                         f"{JSON_FLAG_EXAMPLES['--default-chat-template-kwargs']}")
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (e.g. --tool-call-parser qwen3_coder)")
     if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
@@ -207,6 +227,9 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None) -> None:
         log_requests=not ns.disable_log_requests, chat_template=chat_template,
         trust_request_chat_template=ns.trust_request_chat_template, reasoning_parser=ns.reasoning_parser,
         tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        default_chat_template_kwargs=ns.default_chat_template_kwargs,
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
+        enable_force_include_usage=ns.enable_force_include_usage,
         default_sampling_params=load_default_sampling_params(config.model_path))
     interval = None if ns.disable_log_stats else float(
         os.environ.get("VLLM_LOG_STATS_INTERVAL", DEFAULT_LOG_STATS_INTERVAL_S))

@@ -88,6 +88,25 @@ def test_structured_output_backend_flags_parse_and_warn(started, warnings):
         assert sum(m.startswith(flag + " ") and "llguidance" in m for m in warnings) == 1, (flag, warnings)
 
 
+def test_qwen3_5_chat_flags_parse(started, warnings):
+    """Flags of public Qwen3.5 `vllm serve` lines: the chat ones act (options checked in test_serving_chat_stream),
+    the rest warn once each; qwen3_xml is the qwen3_coder parser."""
+    line = ("serve --tool-call-parser qwen3_xml --enable-auto-tool-choice --reasoning-parser qwen3 "
+            "--default-chat-template-kwargs '{\"enable_thinking\": false}' --exclude-tools-when-tool-choice-none "
+            "--enable-force-include-usage --chat-template-content-format string --enable-prompt-tokens-details "
+            "--return-tokens-as-token-ids --response-role assistant --tool-parser-plugin /x/plugin.py")
+    assert main(shlex.split(line)) == 0
+    ns = started["ns"]
+    assert ns.default_chat_template_kwargs == {"enable_thinking": False}
+    assert ns.exclude_tools_when_tool_choice_none and ns.enable_force_include_usage
+    inert = ["--chat-template-content-format", "--enable-prompt-tokens-details", "--return-tokens-as-token-ids",
+             "--response-role", "--tool-parser-plugin"]
+    for flag in inert:
+        assert sum(m.startswith(flag + " ") for m in warnings) == 1, (flag, warnings)
+    assert len(warnings) == len(inert)
+    assert main(["serve", "--default-chat-template-kwargs", "[1]"]) == 2
+
+
 @pytest.mark.parametrize("flag", sorted(serve_cli.JSON_FLAG_EXAMPLES))
 def test_bad_json_flag_stops_with_value_error_and_example(flag, capsys):
     with pytest.raises(SystemExit) as info:

@@ -234,6 +234,30 @@ def test_app_history_and_continuation_readings(tokenizer):
     assert not any(d.get("reasoning_content") for d in deltas)
 
 
+def test_app_server_wide_chat_options(tokenizer):
+    """--default-chat-template-kwargs under the request's own (thinking off server-wide: the prompt closes it and the
+    reply is content); --exclude-tools-when-tool-choice-none; --enable-force-include-usage on both endpoints."""
+    engine = ScriptedEngine(tokenizer, script="Hi there.")
+    client = make_client(engine, default_chat_template_kwargs={"enable_thinking": False},
+                         exclude_tools_when_tool_choice_none=True, enable_force_include_usage=True)
+    ask = [{"role": "user", "content": "Hi"}]
+    message = client.post("/v1/chat/completions", json={"messages": ask}).json()["choices"][0]["message"]
+    assert engine.prompts[-1]["prompt"].endswith("<think>\n\n</think>\n\n")
+    assert message["content"] == "Hi there." and message["reasoning_content"] is None
+    client.post("/v1/chat/completions", json={"messages": ask, "chat_template_kwargs": {"enable_thinking": True}})
+    assert engine.prompts[-1]["prompt"].endswith("<think>\n")  # the request's own value wins
+    client.post("/v1/chat/completions", json={"messages": ask, "tools": TOOLS, "tool_choice": "none"})
+    assert "get_weather" not in engine.prompts[-1]["prompt"]
+    client.post("/v1/chat/completions", json={"messages": ask, "tools": TOOLS})
+    assert "get_weather" in engine.prompts[-1]["prompt"]
+    _, chunks = stream_deltas(client, {"messages": ask})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(pieces_of(tokenizer,
+                                                                                                      "Hi there."))
+    with client.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["prompt_tokens"] == 1
+
+
 def test_app_named_tool_choice_forces_the_opening_into_the_prompt(tokenizer):
     engine = ScriptedEngine(tokenizer, script="<parameter=city>\nOslo\n</parameter>\n")
     client = make_client(engine)

@@ -15,6 +15,7 @@ _JINJA_MARKERS = ("{{", "{%")
 # guided decoding gives.
 TOOL_CALL_OPENINGS = {
     "qwen3_coder": ("<tool_call>\n<function={name}>\n", "<tool_call>\n<function="),
+    "qwen3_xml": ("<tool_call>\n<function={name}>\n", "<tool_call>\n<function="),
     "hermes": ('<tool_call>\n{{"name": "{name}", "arguments": ', '<tool_call>\n{"name": "'),
 }
 

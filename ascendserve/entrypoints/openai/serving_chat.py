@@ -204,7 +204,7 @@ class OpenAIServingChat(OpenAIServing):
     def _reasoning_end_token(self, request: ChatCompletionRequest, prompt_ids: list[int]) -> int | None:
         """Structured outputs leave a reasoning model's thinking free: the token that ends it, where the prompt leaves
         it open and the server has a reasoning parser (vLLM's rule), else None (constrained from the first token)."""
-        if self.reasoning_parser_cls is None or request.continue_final_message:
+        if self.reasoning_parser_cls is None:
             return None
         parser = self.reasoning_parser_cls(self.tokenizer, request.chat_template_kwargs)
         return None if parser.is_reasoning_end(prompt_ids) else getattr(parser, "end_token_id", None)
@@ -213,7 +213,12 @@ class OpenAIServingChat(OpenAIServing):
         if request.chat_template is not None and not self.options.trust_request_chat_template:
             raise OpenAIError("Chat template is passed with request, but --trust-request-chat-template is not "
                               "set. Refused request with untrusted chat template.", 400, param="chat_template")
+        # --default-chat-template-kwargs under the request's own (the reasoning parser reads the merged ones too)
+        request.chat_template_kwargs = {**(self.options.default_chat_template_kwargs or {}),
+                                        **(request.chat_template_kwargs or {})} or None
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+        if request.tool_choice == "none" and self.options.exclude_tools_when_tool_choice_none:
+            tools = None
         text = render_chat(self.tokenizer, request.messages,
                            chat_template=request.chat_template or self.options.chat_template, tools=tools,
                            add_generation_prompt=request.add_generation_prompt,
@@ -297,8 +302,9 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         n = len(parsers)
         num_tokens = [0] * n
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        continuous = bool(include_usage and request.stream_options.continuous_usage_stats)
+        include_usage = self.options.enable_force_include_usage or bool(
+            request.stream_options and request.stream_options.include_usage)
+        continuous = bool(include_usage and request.stream_options and request.stream_options.continuous_usage_stats)
 
         def chunk(index, delta, logprobs=None, finish=None, stop_reason=None):
             out = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[

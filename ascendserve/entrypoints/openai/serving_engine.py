@@ -54,6 +54,9 @@ class ServerOptions:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     default_sampling_params: dict[str, Any] | None = None
+    default_chat_template_kwargs: dict[str, Any] | None = None  # under each request's chat_template_kwargs
+    exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": the template is not shown the tools
+    enable_force_include_usage: bool = False  # every stream ends with a usage chunk, asked for or not
 
 
 class OpenAIServing:

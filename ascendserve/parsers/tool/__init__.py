@@ -7,6 +7,7 @@ from ascendserve.parsers.tool.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen3_coder": Qwen3CoderToolParser,
+    "qwen3_xml": Qwen3CoderToolParser,  # vLLM's other parser of the same XML format
     "hermes": Hermes2ProToolParser,
 }
 
