@@ -187,6 +187,30 @@ def test_forced_call_grammars_keep_required_parameters_and_escape_names(llm):
     for text in ("</function>", block["a"] + "</function>", block["b"] + block["a"] + "</function>",
                  block["b"] + block["b"] + "</function>"):
         assert not accepts("qwen3_coder", f, "f", text), text
+    # every value as the parser reads it: a type list, anyOf, the parser's own type names, a string enum, a $ref
+    typed = [{"name": "f", "parameters": {
+        "$defs": {"Box": {"type": "object", "properties": {"w": {"type": "integer"}}, "required": ["w"]}},
+        "properties": {"n": {"type": ["integer", "null"]}, "m": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+                       "k": {"type": "int32"}, "unit": {"enum": ["celsius", "fahrenheit"]},
+                       "box": {"$ref": "#/$defs/Box"}}}}]
+
+    def value(prop: str, text: str) -> str:
+        return f"<parameter={prop}>\n{text}\n</parameter>\n</function>"
+
+    for prop, good, bad in [("n", ["7", "null"], ["abc", "7.5"]), ("m", ["2.5", "null"], ["x"]),
+                            ("k", ["3"], ["three"]), ("unit", ["celsius", "fahrenheit"], ["kelvin", "celsius!"]),
+                            ("box", ['{"w": 2}'], ['{"w": "2"}', "a box"])]:
+        for text in good:
+            assert accepts("qwen3_coder", typed, "f", value(prop, text)), (prop, text)
+        for text in bad:
+            assert not accepts("qwen3_coder", typed, "f", value(prop, text)), (prop, text)
+    from ascendserve.entrypoints.openai.protocol import ChatCompletionRequest
+    from ascendserve.parsers.tool import Qwen3CoderToolParser
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                    tools=[{"type": "function", "function": typed[0]}])
+    call = '<tool_call>\n<function=f>\n' + value("box", '{"w": 2}') + "\n</tool_call>"
+    info = Qwen3CoderToolParser(tokenizer).extract_tool_calls(call, request)
+    assert json.loads(info.tool_calls[0].function.arguments) == {"box": {"w": 2}}  # the $ref read as an object
     quoted = [{"name": 'say "hi"', "parameters": {}}, {"name": "other", "parameters": {}}]
     written = 'say \\"hi\\"", "arguments": {}}\n</tool_call>'
     assert accepts("hermes", quoted, None, written)

@@ -5,6 +5,7 @@ import os
 
 from ascendserve.entrypoints.openai.errors import OpenAIError
 from ascendserve.parsers.tool.qwen3_coder import BAD_NAME_RE as CODER_BAD_NAME_RE
+from ascendserve.parsers.tool.schema_types import parameter_properties, schema_types, value_kind
 
 # Strings that mark a --chat-template value as a template rather than a file name.
 _JINJA_MARKERS = ("{{", "{%")
@@ -25,7 +26,8 @@ def forced_call_grammar(parser: str, tools: list[dict], name: str | None) -> str
     for `name` its arguments, else (tool_choice "required" over several tools) a tool's name and then its arguments,
     up to the call's end. `tools` are the request's function definitions ({"name", "parameters"}). hermes: the
     arguments as a JSON object of the function's parameter schema; qwen3_coder: `<parameter=NAME>` blocks of the
-    schema's properties, strings as raw text (anything up to the block's end), other types as JSON of their schema."""
+    schema's properties, strings as raw text (anything up to the block's end) or one of their enum, other types as
+    JSON of their schema (_coder_value)."""
     schemas = {tool["name"]: {"type": "object", **(tool.get("parameters") or {})} for tool in tools}
     for tool, schema in schemas.items():
         call_name_text(parser, tool)
@@ -84,19 +86,31 @@ def _coder_params(schema: dict, prefix: str, rules: list[str]) -> str:
     required = set(schema.get("required") or ())
     names = []
     definitions = {key: schema[key] for key in ("$defs", "definitions") if key in schema}  # what $refs point into
-    for j, (prop, prop_schema) in enumerate(properties.items()):
-        opening = _lark(f"<parameter={prop}>\n")
-        if isinstance(prop_schema, dict) and prop_schema.get("type") in _JSON_VALUE_TYPES:
-            value = f"%json {json.dumps({**prop_schema, **definitions})} {_lark(chr(10) + '</parameter>' + chr(10))}"
-        else:  # a string (or a schema of several types): the raw text
-            value = "coder_text"
-        rules.append(f"{prefix}_{j}: {opening} {value}")
+    for j, (prop, prop_schema) in enumerate(parameter_properties(schema).items()):
+        rules.append(f"{prefix}_{j}: {_lark(f'<parameter={prop}>' + chr(10))} {_coder_value(prop_schema, definitions)}")
         names.append(f"{prefix}_{j}" + ("" if prop in required else "?"))
     return " ".join(names)
 
 
-# qwen3_coder parameter types written as JSON (the parser converts them with json.loads); others are raw text
-_JSON_VALUE_TYPES = ("integer", "number", "boolean", "object", "array", "null")
+def _coder_value(schema, definitions: dict) -> str:
+    """One parameter's value and the block's end, as the qwen3_coder parser reads the value
+    (schema_types.convert_param_value): JSON of the schema for the JSON kinds, one of the values of a string enum,
+    else raw text (coder_text: lazy, so it takes the end with it)."""
+    end = _lark("\n</parameter>\n")
+    kind = value_kind(schema)
+    if kind in ("integer", "number", "boolean", "object", "array"):
+        types = set(schema_types(schema))
+        if len(types - {"null"}) > 1 or not types <= _JSON_SCHEMA_TYPES:
+            # the parser reads the first type alone, and knows its own names ("int32", "bool"): that JSON type
+            schema = {"type": [kind, "null"] if "null" in types else kind}
+        return f"%json {json.dumps({**schema, **definitions})} {end}"
+    enum = schema.get("enum") if isinstance(schema, dict) else None
+    if kind == "string" and enum and all(isinstance(v, str) for v in enum):
+        return "(" + " | ".join(_lark(v) for v in enum) + f") {end}"
+    return "coder_text"
+
+
+_JSON_SCHEMA_TYPES = {"string", "integer", "number", "boolean", "object", "array", "null"}
 
 
 def _lark(text: str) -> str:

@@ -21,9 +21,46 @@ def tool_properties(request: ChatCompletionRequest | None, function_name: str) -
     """The `properties` of `function_name`'s parameter schema in `request.tools` ({} when unknown)."""
     for tool in getattr(request, "tools", None) or []:
         if tool.function.name == function_name:
-            properties = (tool.function.parameters or {}).get("properties")
-            return properties if isinstance(properties, dict) else {}
+            return parameter_properties(tool.function.parameters)
     return {}
+
+
+def parameter_properties(parameters: Any) -> dict[str, Any]:
+    """A parameter schema's `properties`, each one that is a local `$ref` ("#/$defs/Name", "#/definitions/Name")
+    replaced by the schema it names, so its type is seen ({} when there are none)."""
+    properties = parameters.get("properties") if isinstance(parameters, dict) else None
+    if not isinstance(properties, dict):
+        return {}
+    return {name: _resolve_ref(schema, parameters) for name, schema in properties.items()}
+
+
+def _resolve_ref(schema: Any, root: dict) -> Any:
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if not isinstance(ref, str):
+        return schema
+    for key in ("$defs", "definitions"):
+        prefix = f"#/{key}/"
+        target = (root.get(key) or {}).get(ref[len(prefix):]) if ref.startswith(prefix) else None
+        if isinstance(target, dict):
+            return {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    return schema
+
+
+def value_kind(schema: Any) -> str | None:
+    """How the parser reads a parameter of this schema: "string" (raw text), a JSON type name ("integer", "number",
+    "boolean", "object", "array", whose text is JSON), or None (no schema: raw text)."""
+    if not isinstance(schema, dict):
+        return None
+    kind = next((t for t in schema_types(schema) if t != "null"), "string")
+    if kind in _STRING_TYPES:
+        return "string"
+    if kind.startswith(_INTEGER_PREFIXES):
+        return "integer"
+    if kind.startswith(_NUMBER_PREFIXES):
+        return "number"
+    if kind in _BOOLEAN_TYPES:
+        return "boolean"
+    return kind
 
 
 def dump_arguments(arguments: dict[str, Any]) -> str:
