@@ -100,7 +100,11 @@ HERMES_CASES = [
     ("string_arguments", '<tool_call>{"name": "f", "arguments": "{\\"q\\": 1}"}</tool_call>', None,
      [("f", {"q": 1})]),
     ("unclosed", '<tool_call>\n{"name": "f", "arguments": {"q": "v"}}', None, [("f", {"q": "v"})]),
-    ("invalid_json_dropped", "Text <tool_call>{not json}</tool_call>", "Text ", []),
+    ("invalid_json_is_content", "Text <tool_call>{not json}</tool_call>", "Text <tool_call>{not json}</tool_call>",
+     []),
+    # Qwen3.5's XML calls under the wrong parser: nothing parses, the text stays content (was silently dropped)
+    ("xml_call_is_content", "Let me look.\n" + xml_call("bash", {"command": "ls"}),
+     "Let me look.\n" + xml_call("bash", {"command": "ls"}), []),
     # a string value that mentions the closing tag (a coding agent writing about tool calls) is not the call's end
     ("end_tag_inside_string", '<tool_call>\n{"name": "write", "arguments": {"text": "ends with </tool_call> \\" ok"'
      '}}\n</tool_call>\n<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>', None,
@@ -232,6 +236,18 @@ def test_hermes_broken_json_ends_at_the_first_end_tag(tokenizer):
     output = ('<tool_call>{"name": "a", "arguments": {"q": "open}</tool_call>\n<tool_call>{"name": "b", "arguments": '
               '{}}</tool_call>')
     check_non_streaming(Hermes2ProToolParser(tokenizer), output, chat_request(), None, [("b", {})])
+
+
+def test_hermes_call_cut_off_keeps_its_raw_arguments(tokenizer):
+    """An output that ends inside a call (max_tokens) returns it with the arguments text as far as it got, whole and
+    streamed alike (the stream has sent the name already)."""
+    output = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Da'
+    info = Hermes2ProToolParser(tokenizer).extract_tool_calls(output, chat_request())
+    assert info.content == "Sure." and [(c.function.name, c.function.arguments) for c in info.tool_calls] == [
+        ("get_weather", '{"city": "Da')]
+    content, calls = stream_tool_calls(Hermes2ProToolParser(tokenizer), tokenizer, output, chat_request())
+    assert content == "Sure." and [(c["name"], c["arguments"]) for c in calls.values()] == [
+        ("get_weather", '{"city": "Da')]
 
 
 def test_hermes_sends_name_before_arguments_close(tokenizer):

@@ -31,7 +31,7 @@ class ToolParser(ABC):
     Subclasses say where the tool-call region starts and how to read the calls in it; this class turns
     that into non-streaming results and OpenAI stream deltas. Invariants of the stream:
       * text before the region is content; whitespace-only content is never sent (None when not
-        streaming), text after the region starts is never content;
+        streaming), text after the region starts is content only if no call in it parses (sent at the end);
       * each call gets one header delta (index, id, type, name), then argument fragments whose
         concatenation equals the non-streaming `arguments`, once `finish_streaming` has run.
     """
@@ -71,10 +71,11 @@ class ToolParser(ABC):
                            request: ChatCompletionRequest | None) -> ExtractedToolCallInformation:
         """The tool calls of a whole output, and the content before them."""
         start = self.find_tool_calls_start(model_output, 0)
-        content = model_output if start is None else model_output[:start]
         calls = [] if start is None else self.parse_calls(model_output[start:], request, final=True)
         tool_calls = [ToolCall(function=FunctionCall(name=call.name, arguments=call.stable_arguments))
                       for call in calls if call.name is not None]
+        # text that opened a tool-call region without a call in it that parses stays the model's content (vLLM's)
+        content = model_output[:start] if tool_calls else model_output
         return ExtractedToolCallInformation(tools_called=bool(tool_calls), tool_calls=tool_calls,
                                             content=content if content.strip() else None)
 
@@ -95,6 +96,9 @@ class ToolParser(ABC):
         """Flush at the end of a stream: held-back content and the rest of any call left open."""
         content = self._stream_content(current_text, final=True)
         tool_calls = [] if self._region_start is None else self._stream_calls(current_text, request, final=True)
+        if self._region_start is not None and not self._tool_call_ids:  # no call in it: the held text is content
+            content += current_text[self._content_sent:]
+            self._content_sent = len(current_text)
         return _delta_message(content, tool_calls)
 
     def _stream_content(self, current_text: str, final: bool) -> str:

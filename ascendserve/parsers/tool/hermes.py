@@ -22,6 +22,7 @@ TOOL_CALL_END = "</tool_call>"
 # Inside a call's JSON: a string (to its closing quote, or to the end of the text while it is open) or the call's end.
 # A `</tool_call>` inside a string value is text, not the end.
 _STRING_OR_END_RE = re.compile(r'"(?:[^"\\]|\\(?:.|\Z))*(?:"|\Z)|</tool_call>', re.DOTALL)
+_ARGUMENTS_KEY_RE = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 # The name, when the object starts with it, can be sent before the arguments are complete.
 _LEADING_NAME_RE = re.compile(r'\A\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
@@ -40,7 +41,10 @@ class Hermes2ProToolParser(ToolParser):
         """One call per `<tool_call>` block; a block that is not a JSON call object is dropped."""
         calls = []
         for body, closed in _blocks(region, final):
-            call = _parse_block(body) if final or closed else StreamedCall(name=_leading_name(body))
+            if not (final or closed):
+                call = StreamedCall(name=_leading_name(body))
+            else:
+                call = _parse_block(body) or (None if closed else _truncated_call(body))
             if call is not None:
                 calls.append(call)
         return calls
@@ -62,6 +66,16 @@ def _blocks(region: str, final: bool):
             return
         yield region[body_start:end], True
         start = region.find(TOOL_CALL_START, end + len(TOOL_CALL_END))
+
+
+def _truncated_call(body: str) -> StreamedCall | None:
+    """A call the output ended inside (max_tokens): its name and the arguments text as far as it got (vLLM returns a
+    forced call's raw arguments the same way), so streamed and whole replies agree."""
+    name = _leading_name(body)
+    if name is None:
+        return None
+    arguments = _ARGUMENTS_KEY_RE.search(body, _LEADING_NAME_RE.match(body).end())
+    return StreamedCall(name=name, stable_arguments=body[arguments.end():].rstrip() if arguments else "")
 
 
 def _leading_name(body: str) -> str | None:
