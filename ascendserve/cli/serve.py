@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 
 from ascendserve.cli.engine_flags import add_engine_flags, engine_args_from
 from ascendserve.config import QUANTIZATION_METHODS
@@ -127,6 +128,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--disable-log-requests", action="store_true")
     p.add_argument("--disable-log-stats", action="store_true")
+    p.add_argument("--shutdown-timeout", type=float, default=0.0,
+                   help="on SIGTERM / SIGINT: seconds in-flight requests may run on before they are aborted (0, the "
+                        "default: aborted at once, their streams ending with finish_reason 'abort')")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="(ascendserve) answer 503 with Retry-After once this many sequences wait for a slot")
     for flag, (kwargs, _) in NO_EFFECT_FLAGS.items():
@@ -177,6 +181,8 @@ def check_flags(ns: argparse.Namespace) -> None:
                          f"{JSON_FLAG_EXAMPLES['--default-chat-template-kwargs']}")
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (e.g. --tool-call-parser qwen3_coder)")
+    if ns.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
     if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
 
@@ -239,11 +245,47 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None) -> None:
                     metrics=metrics, api_keys=[ns.api_key] if ns.api_key else [], cors=cors,
                     reasoning_parser_cls=reasoning_cls, tool_parser_cls=tool_cls, log_stats_interval=interval)
     logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", names[0], ns.host, ns.port)
+    # Past the drain, uvicorn cancels what still runs (a client that does not read its finished stream, say).
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                            access_log=not ns.disable_uvicorn_access_log, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=ns.shutdown_timeout + SHUTDOWN_GRACE_S)
     try:
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                    access_log=not ns.disable_uvicorn_access_log, timeout_keep_alive=5)
+        _run_server(config, lambda: _drain_or_abort(async_llm, ns.shutdown_timeout))
     finally:
         async_llm.shutdown()
+
+
+# Seconds uvicorn's graceful shutdown gives connections after --shutdown-timeout has aborted the requests.
+SHUTDOWN_GRACE_S = 5.0
+
+
+def _run_server(config, on_exit) -> None:
+    """uvicorn's server, which calls `on_exit` on the first exit signal, before it stops taking connections."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                on_exit()
+            super().handle_exit(sig, frame)
+
+    try:
+        Server(config).run()
+    except KeyboardInterrupt:  # SIGINT, raised again once uvicorn has stopped (uvicorn.run swallows it too)
+        pass
+
+
+def _drain_or_abort(async_llm, timeout_s: float) -> None:
+    """SIGTERM / SIGINT (vLLM's --shutdown-timeout): abort every request now, or after `timeout_s` seconds of drain.
+    uvicorn meanwhile takes no new connections and ends each open one once its response is done."""
+    if timeout_s <= 0:
+        logger.info("Shutting down: aborting the requests in flight (--shutdown-timeout 0)")
+        async_llm.abort_all()
+        return
+    logger.info("Shutting down: requests in flight may finish within %.0f s (--shutdown-timeout)", timeout_s)
+    timer = threading.Timer(timeout_s, async_llm.abort_all)
+    timer.daemon = True
+    timer.start()
 
 
 def _flat(values: list[list[str]] | None) -> list[str]:

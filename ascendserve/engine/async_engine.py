@@ -58,7 +58,7 @@ class _Add:
 
 @dataclass
 class _Abort:
-    request_id: str
+    request_id: str | None  # None: every request
 
 
 class AsyncLLM:
@@ -160,6 +160,11 @@ class AsyncLLM:
         """Abort a request (thread-safe, returns at once; its iterator ends with finish_reason 'abort')."""
         self._send(_Abort(request_id))
 
+    def abort_all(self) -> None:
+        """Abort every request in the engine (thread-safe, returns at once): each iterator ends with finish_reason
+        'abort'. The server's shutdown uses it (--shutdown-timeout)."""
+        self._send(_Abort(None))
+
     def shutdown(self) -> None:
         """Stop the engine loop after the current step, and wait for it (at most 30 s)."""
         _set_all(self._stopping, self._wake)
@@ -234,7 +239,8 @@ class AsyncLLM:
                 self._num_added += 1
                 self._add(command)
             elif self.dead_error is None:
-                _deliver_all(self._route(self.engine.abort_request(command.request_id), time.time()))
+                ids = list(self._streams) if command.request_id is None else command.request_id
+                _deliver_all(self._route(self.engine.abort_request(ids), time.time()))
 
     def _add(self, command: _Add) -> None:
         stream = command.stream
