@@ -52,9 +52,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_queries += request.num_tokens
-        self.num_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a prefix lookup in the hit-rate metrics, once the request it was for is admitted (a request held
+        back at the head of the queue is looked up again each step, and counted once)."""
+        if self.enable_caching:
+            self.num_queries += request.num_tokens
+            self.num_hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> bool:

@@ -177,6 +177,7 @@ class Scheduler:
                     self.state.free(request.request_id)
                 break
             self.waiting.popleft()
+            self.kv.record_lookup(request, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens

@@ -137,3 +137,19 @@ def test_prefix_hit_starts_counter_above_zero():
     by_id = {x.request_id: x for x in out.scheduled}
     assert (len(by_id["b"].token_ids), by_id["b"].start_pos) == (1, 8)
     assert s.requests["b"].num_cached_tokens == 8
+
+
+def test_prefix_lookups_count_once_per_admission():
+    """The hit-rate metrics count a request's lookup when it is admitted: one held back at the head of the queue
+    (no room yet) is looked up again each step without being counted again (was ~35-70x too many queries)."""
+    s = make(num_blocks=4, caching=True, budget=64, max_seqs=4)
+    s.add_request(req("a", 12, max_tokens=8))  # 3 of the 4 blocks, 4 with its first outputs
+    step(s)
+    s.add_request(req("b", 12))
+    for _ in range(3):
+        step(s)
+        assert s.waiting and s.waiting[0].request_id == "b"
+    assert (s.kv.num_queries, s.kv.num_hits) == (12, 0)
+    while s.waiting:
+        step(s)
+    assert (s.kv.num_queries, s.kv.num_hits) == (24, 8)  # b shares a's first two full blocks
