@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from ascendserve.config import ARRIVAL_WINDOW_CAP
 from ascendserve.engine.outputs import RequestOutput
@@ -43,6 +44,7 @@ class _Stream:
     queue: asyncio.Queue
     arrival_time: float
     children: list = field(default_factory=list)  # engine Request objects (read-only here)
+    parent: Any = None  # the output processor's state of the request (read-only here): its token count
     num_output_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -255,8 +257,8 @@ class AsyncLLM:
         except Exception as e:
             command.done.set_exception(e)
         else:
-            parent = self.engine.output_processor.parents.get(stream.request_id)
-            stream.children = [c.request for c in parent.children] if parent else []
+            stream.parent = self.engine.output_processor.parents.get(stream.request_id)
+            stream.children = [c.request for c in stream.parent.children] if stream.parent else []
             self._streams[stream.request_id] = stream
             command.done.set_result(None)
 
@@ -264,7 +266,7 @@ class AsyncLLM:
         """Token counts and latencies of this step, from the engine's Request objects."""
         it = self._iteration
         for s in self._streams.values():
-            total = sum(r.num_output_tokens for r in s.children)
+            total = s.parent.num_output_tokens if s.parent is not None else 0
             new = total - s.num_output_tokens
             if new <= 0:
                 continue

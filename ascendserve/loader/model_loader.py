@@ -96,6 +96,10 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         raise ValueError(f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
                          f"({max_model_len}) with chunked prefill disabled: a long prompt could never "
                          f"be scheduled; raise max_num_batched_tokens or enable chunked prefill")
+    if args.max_num_seqs is not None and budget < args.max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({budget}) must be at least max_num_seqs ({args.max_num_seqs}): a "
+                         f"decode step of every running sequence takes one token each; raise max_num_batched_tokens "
+                         f"or lower max_num_seqs")
     names = args.served_model_name or args.model or _demo_name()
     served = names[0] if isinstance(names, list) else names
     kv_cache_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)

@@ -41,6 +41,8 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
             budget = config.platform.default_kv_cache_bytes(args.gpu_memory_utilization, weight_bytes)
             source = f"{config.platform.name} default"
     config.max_num_seqs = _resolve_max_num_seqs(args.max_num_seqs, per_slot, budget)
+    if args.max_num_seqs is None:  # the default never runs more sequences than a step has tokens for
+        config.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
     state_bytes = config.max_num_seqs * per_slot
     state_note = ""
     if state_bytes:

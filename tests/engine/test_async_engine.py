@@ -131,7 +131,8 @@ class FailingEngine:
         self.thread_ids.add(threading.get_ident())
         self.requests.append(request_id)
         child = SimpleNamespace(num_output_tokens=0, num_prompt_tokens=1, first_scheduled_time=None)
-        self.output_processor.parents[request_id] = SimpleNamespace(children=[SimpleNamespace(request=child)])
+        self.output_processor.parents[request_id] = SimpleNamespace(children=[SimpleNamespace(request=child)],
+                                                                    num_output_tokens=0)
 
     def has_unfinished_requests(self):
         return bool(self.requests)

@@ -142,14 +142,17 @@ def test_prefix_hit_starts_counter_above_zero():
 def test_prefix_lookups_count_once_per_admission():
     """The hit-rate metrics count a request's lookup when it is admitted: one held back at the head of the queue
     (no room yet) is looked up again each step without being counted again (was ~35-70x too many queries)."""
-    s = make(num_blocks=4, caching=True, budget=64, max_seqs=4)
-    s.add_request(req("a", 12, max_tokens=8))  # 3 of the 4 blocks, 4 with its first outputs
+    s = make(num_blocks=5, caching=True, budget=64, max_seqs=4)
+    s.add_request(req("a", 12, max_tokens=8))  # 3 of the 5 blocks, all 5 with its outputs
     step(s)
-    s.add_request(req("b", 12))
+    s.add_request(Request("b", list(range(300, 312)), SamplingParams(max_tokens=4), eos_token_ids=frozenset({0}),
+                          max_tokens=4))  # 3 blocks, no prefix of a's: waits for a to finish
     for _ in range(3):
         step(s)
         assert s.waiting and s.waiting[0].request_id == "b"
     assert (s.kv.num_queries, s.kv.num_hits) == (12, 0)
-    while s.waiting:
+    for _ in range(20):
+        if not s.waiting:
+            break
         step(s)
-    assert (s.kv.num_queries, s.kv.num_hits) == (24, 8)  # b shares a's first two full blocks
+    assert not s.waiting and (s.kv.num_queries, s.kv.num_hits) == (24, 0)

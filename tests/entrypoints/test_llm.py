@@ -28,7 +28,9 @@ def test_unknown_engine_argument_lists_valid_ones():
 @pytest.mark.parametrize("kwargs, field", [({"dtype": "int8"}, "dtype"), ({"max_num_seqs": 0}, "max_num_seqs"),
                                            ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
                                            ({"block_size": -1}, "block_size"),
-                                           ({"max_logprobs": -2}, "max_logprobs")])
+                                           ({"max_logprobs": -2}, "max_logprobs"),
+                                           ({"max_num_seqs": 8, "max_num_batched_tokens": 4},
+                                            r"max_num_batched_tokens \(4\) must be at least max_num_seqs \(8\)")])
 def test_bad_engine_argument_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(**kwargs)
