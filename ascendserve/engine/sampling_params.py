@@ -124,7 +124,7 @@ class SamplingParams:
 
     def _verify_truncation(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         _check_int("top_k", self.top_k)

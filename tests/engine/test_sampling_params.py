@@ -59,7 +59,7 @@ def test_validation_error_names_field(kwargs, field):
 
 
 def test_error_messages_give_range_and_value():
-    with pytest.raises(ValueError, match=r"temperature must be non-negative, got -1.0"):
+    with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0, got -1.0"):
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 0.0"):
         SamplingParams(top_p=0.0)
