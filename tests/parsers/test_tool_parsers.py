@@ -84,6 +84,11 @@ QWEN3_CODER_CASES = [
      + xml_call("get_weather", {"city": "Oslo"}), None, [("get_weather", {"city": "Oslo"})]),
     ("whitespace_content_is_none", "\n\n" + xml_call("bash", {"command": "pwd"}), None,
      [("bash", {"command": "pwd"})]),
+    # code that mentions the format's own tags: only a tag the next block (or the call's end) follows closes
+    ("tags_inside_values", xml_call("bash", {"command": "echo '</parameter>' && grep -c '</function>' x.xml"}) + "\n"
+     + xml_call("get_weather", {"city": "a</parameter>b", "state": "</function> TX"}), None,
+     [("bash", {"command": "echo '</parameter>' && grep -c '</function>' x.xml"}),
+      ("get_weather", {"city": "a</parameter>b", "state": "</function> TX"})]),
     ("repeated_parameter_keeps_first", xml_call("get_weather", {"city": "A"}).replace(
         "</function>", "<parameter=city>\nB\n</parameter>\n</function>"), None, [("get_weather", {"city": "A"})]),
 ]
@@ -203,7 +208,8 @@ def test_qwen3_coder_streams_parameters_as_they_close(tokenizer):
                                                     s.previous_token_ids, s.current_token_ids, s.delta_token_ids,
                                                     chat_request())
         fragments += [c.function.arguments for c in (delta.tool_calls if delta else []) if c.function.arguments]
-    assert fragments == ["{", '"city": "Dallas"', ', "state": "TX"', ', "days": 3', "}"]
+    # the last value is complete once the call's end is certain (a </function> followed by </tool_call>)
+    assert fragments == ["{", '"city": "Dallas"', ', "state": "TX"', ', "days": 3}']
     assert parser.finish_streaming(output, chat_request()) is None
 
 

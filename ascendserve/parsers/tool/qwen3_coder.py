@@ -23,10 +23,13 @@ from ascendserve.parsers.tool.schema_types import convert_param_value, dump_argu
 TOOL_CALL_START = "<tool_call>"
 FUNCTION_PREFIX = "<function="
 
-# A function body ends at </function>, or where the next call or </tool_call> begins, or at the end.
-_FUNCTION_RE = re.compile(r"<function=(.*?)(</function>|(?=</tool_call>|<tool_call>|<function=)|\Z)", re.DOTALL)
-# A value ends at </parameter>, or where the next parameter or </function> begins, or at the end.
-_PARAMETER_RE = re.compile(r"<parameter=(.*?)(</parameter>|(?=<parameter=|</function>)|\Z)", re.DOTALL)
+# A function body ends at a </function> that the call's end, the next call or the end of the text follows (one
+# elsewhere is text inside a value), or where the next call or </tool_call> begins, or at the end.
+_FUNCTION_RE = re.compile(r"<function=(.*?)(</function>(?=\s*(?:</tool_call>|<tool_call>|<function=|\Z))|"
+                          r"(?=</tool_call>|<tool_call>|<function=)|\Z)", re.DOTALL)
+# Within a body, a value ends at a </parameter> that the next parameter or the body's end follows (one elsewhere is
+# text: code that mentions the tag), or where the next parameter begins (a missing </parameter>), or at the end.
+_PARAMETER_RE = re.compile(r"<parameter=(.*?)(</parameter>(?=\s*(?:<parameter=|\Z))|(?=<parameter=)|\Z)", re.DOTALL)
 # Names with these characters are unrendered template text, not calls.
 BAD_NAME_RE = re.compile(r"""[{}<>"'\s]""")
 
@@ -45,7 +48,7 @@ class Qwen3CoderToolParser(ToolParser):
         """Every `<function=...>` of the region; a call whose name is unusable is dropped."""
         calls = []
         for match in _FUNCTION_RE.finditer(region):
-            closed = final or match.end() < len(region) or bool(match.group(2))
+            closed = final or _decided(region, match)
             call = _parse_function(match.group(1), closed, request)
             if call is not None:
                 calls.append(call)
@@ -86,6 +89,12 @@ def _parameters(text: str, closed: bool) -> list[tuple[str, str, bool]]:
             value = value[1:]
         if value.endswith("\n"):
             value = value[:-1]
-        complete = closed or match.end() < len(text) or bool(match.group(2))
+        complete = closed or _decided(text, match)
         params.append((inner[:name_end].strip(), value, complete))
     return params
+
+
+def _decided(text: str, match: re.Match) -> bool:
+    """Whether a closing tag (or the start of what follows) really ends `match`: only once more than whitespace comes
+    after it. Until then the tag may still turn out to be text inside a value (streaming waits one token)."""
+    return bool(text[match.end():].strip())
