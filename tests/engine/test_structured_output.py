@@ -211,6 +211,26 @@ def test_forced_call_grammars_keep_required_parameters_and_escape_names(llm):
     call = '<tool_call>\n<function=f>\n' + value("box", '{"w": 2}') + "\n</tool_call>"
     info = Qwen3CoderToolParser(tokenizer).extract_tool_calls(call, request)
     assert json.loads(info.tool_calls[0].function.arguments) == {"box": {"w": 2}}  # the $ref read as an object
+    # "required" with parallel calls: one or more, each to any tool, until the turn ends (EOS); a named one: one call
+    two = [{"name": "f", "parameters": {"properties": {"a": {"type": "integer"}}}},
+           {"name": "g", "parameters": {"properties": {"b": {"type": "string"}}}}]
+    eos = tokenizer.eos_token_id
+    coder = ('g>\n<parameter=b>\nx\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=f>\n'
+             '<parameter=a>\n3\n</parameter>\n</function>\n</tool_call>')
+    hermes = 'g", "arguments": {"b": "x"}}\n</tool_call>\n<tool_call>\n{"name": "f", "arguments": {"a": 3}}\n</tool_call>'
+    for parser, text in (("qwen3_coder", coder), ("hermes", hermes)):
+        state, = compiler.compile(StructuredOutputsParams(grammar=forced_call_grammar(parser, two, None, True)), 1)
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            state.accept(token)
+        assert not state.ended and not state.failed, parser  # a third call may follow
+        state.accept(eos)
+        assert state.ended and not state.failed, parser
+        single, = compiler.compile(StructuredOutputsParams(grammar=forced_call_grammar(parser, two, None)), 1)
+        tokens, used = tokenizer.encode(text, add_special_tokens=False), 0
+        while not single.ended:
+            single.accept(tokens[used])
+            used += 1
+        assert used < len(tokens) and "<function=f>" not in tokenizer.decode(tokens[:used])  # one call only
     quoted = [{"name": 'say "hi"', "parameters": {}}, {"name": "other", "parameters": {}}]
     written = 'say \\"hi\\"", "arguments": {}}\n</tool_call>'
     assert accepts("hermes", quoted, None, written)

@@ -11,9 +11,9 @@ from ascendserve.parsers.tool.schema_types import parameter_properties, schema_t
 _JINJA_MARKERS = ("{{", "{%")
 
 # Per tool-call parser: the text that opens a call to `name` (a format string) and the opening that lets the model pick
-# the name (plain text). A forced `tool_choice` appends one to the prompt and holds the rest to the tools' schemas up to
-# the call's end (forced_call_grammar), where the grammar ends the request: the output is exactly one call, as vLLM's
-# guided decoding gives.
+# the name (plain text). A forced `tool_choice` appends one to the prompt and holds the rest to the tools' schemas
+# (forced_call_grammar): a named function gets exactly one call, whose end ends the request; "required" gets one call or
+# more until the model ends its turn (one with parallel_tool_calls false), as vLLM's guided decoding gives.
 TOOL_CALL_OPENINGS = {
     "qwen3_coder": ("<tool_call>\n<function={name}>\n", "<tool_call>\n<function="),
     "qwen3_xml": ("<tool_call>\n<function={name}>\n", "<tool_call>\n<function="),
@@ -21,38 +21,53 @@ TOOL_CALL_OPENINGS = {
 }
 
 
-def forced_call_grammar(parser: str, tools: list[dict], name: str | None) -> str:
+def forced_call_grammar(parser: str, tools: list[dict], name: str | None, repeat: bool = False) -> str:
     """The Lark grammar (llguidance's dialect) of what a forced call's opening (TOOL_CALL_OPENINGS) leaves to the model:
     for `name` its arguments, else (tool_choice "required" over several tools) a tool's name and then its arguments,
-    up to the call's end. `tools` are the request's function definitions ({"name", "parameters"}). hermes: the
-    arguments as a JSON object of the function's parameter schema; qwen3_coder: `<parameter=NAME>` blocks of the
-    schema's properties, strings as raw text (anything up to the block's end) or one of their enum, other types as
-    JSON of their schema (_coder_value)."""
+    up to the call's end; with `repeat` ("required", parallel calls allowed: vLLM's one or more) further calls to any
+    of the tools may follow, until the model ends its turn. `tools` are the request's function definitions ({"name",
+    "parameters"}). hermes: the arguments as a JSON object of the function's parameter schema; qwen3_coder:
+    `<parameter=NAME>` blocks of the schema's properties, strings as raw text (anything up to the block's end) or one
+    of their enum, other types as JSON of their schema (_coder_value)."""
     schemas = {tool["name"]: {"type": "object", **(tool.get("parameters") or {})} for tool in tools}
     for tool, schema in schemas.items():
         call_name_text(parser, tool)
         if parser != "hermes":
             _check_coder_property_names(tool, schema)
+    hermes = parser == "hermes"
     rules = []
 
     def arguments(i: int, tool: str) -> str:
-        if parser == "hermes":  # the arguments: a JSON object of the schema (an object even where it names no type)
+        if hermes:  # the arguments: a JSON object of the schema (an object even where it names no type)
             return f"%json {json.dumps(schemas[tool])} {_lark('}' + chr(10) + '</tool_call>')}"
         return f"{_coder_params(schemas[tool], f'p{i}', rules)} {_lark('</function>')}"
 
+    after_name = '", "arguments": ' if hermes else ">\n"
+    for i, tool in enumerate(schemas):
+        rules.append(f"call_{i}: {_lark(call_name_text(parser, tool) + after_name)} {arguments(i, tool)}")
+    rules.append("any_call: " + " | ".join(f"call_{i}" for i in range(len(schemas))))
     if name is not None:
-        rules.append(f"start: {arguments(0, name)}")
-    else:
-        after_name = '", "arguments": ' if parser == "hermes" else ">\n"
-        for i, tool in enumerate(schemas):
-            rules.append(f"call_{i}: {_lark(call_name_text(parser, tool) + after_name)} {arguments(i, tool)}")
-        rules.append("start: " + " | ".join(f"call_{i}" for i in range(len(schemas))))
-    if parser != "hermes":  # a raw-text value: the shortest text that ends its block, with none of the tags the
+        rules.append(f"named_call: {arguments(len(schemas), name)}")
+    first = "any_call" if name is None else "named_call"
+    if not repeat:
+        rules.append(f"start: {first}")
+    elif hermes:  # each call closes itself; the next opens after a newline, or the turn ends
+        rules.append(f"start: {first} ({_lark(HERMES_NEXT_CALL)} any_call)*")
+    else:  # a call's </tool_call> comes after its </function>; the turn ends after the last one
+        rules.append(f"start: {first} ({_lark(CODER_NEXT_CALL)} any_call)* {_lark(CODER_LAST_CALL_END)}")
+    if not hermes:  # a raw-text value: the shortest text that ends its block, with none of the tags the
         # parser splits at inside it (its regexes would cut the call there)
         rules += ["coder_text[lazy]: CODER_TEXT",
                   r"CODER_TEXT: /(.|\n)*\n<\/parameter>\n/ & ~/(.|\n)*(<parameter=|<\/parameter>(.|\n)(.|\n)|"
                   r"<\/function>|<function=|<\/?tool_call>)(.|\n)*/"]
     return "\n".join(rules) + "\n"
+
+
+# Between forced calls (tool_choice "required" with parallel calls): what closes one call and opens the next, up to the
+# name; and what closes the last qwen3_coder call
+HERMES_NEXT_CALL = '\n<tool_call>\n{"name": "'
+CODER_NEXT_CALL = "\n</tool_call>\n<tool_call>\n<function="
+CODER_LAST_CALL_END = "\n</tool_call>"
 
 
 def call_name_text(parser: str, name: str) -> str:

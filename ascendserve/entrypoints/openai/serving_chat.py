@@ -195,8 +195,10 @@ class OpenAIServingChat(OpenAIServing):
         else:  # "required": one tool is named in the opening, several are left to the grammar
             name = tools[0].name if len(tools) == 1 else None
         definitions = [{"name": t.name, "parameters": t.parameters} for t in tools if name is None or t.name == name]
+        # "required": one call or more (vLLM's), unless parallel calls are off; a named function: that one call
+        repeat = isinstance(choice, str) and request.parallel_tool_calls is not False
         try:
-            grammar = forced_call_grammar(self.options.tool_call_parser, definitions, name)
+            grammar = forced_call_grammar(self.options.tool_call_parser, definitions, name, repeat)
         except ValueError as e:
             raise OpenAIError(str(e), 400, param="tools") from None
         return StructuredOutputsParams(grammar=grammar)
