@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ascendserve.layers import cpu_kernels
-from ascendserve.layers.rotary import rotate_half
+from ascendserve.layers.rotary import rotary_tables, rotate_half
 
 
 def interleaved_axis_of_slots(num_slots: int, mrope_section: list[int]) -> torch.Tensor:
@@ -31,11 +31,18 @@ class MRotaryEmbedding(nn.Module):
                  mrope_section: list[int]) -> None:
         super().__init__()
         self.rotary_dim = inv_freq.numel() * 2
-        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_cache", freqs.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin_cache", freqs.sin() * attention_scaling, persistent=False)
+        self.inv_freq, self.attention_scaling = inv_freq, attention_scaling
+        cos, sin = rotary_tables(inv_freq, attention_scaling, max_position, duplicate=False)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
         axis = interleaved_axis_of_slots(inv_freq.numel(), mrope_section)
         self.register_buffer("axis_of_slot", axis, persistent=False)
+
+    def cover(self, num_positions: int) -> None:
+        """Grow the tables to at least `num_positions` positions."""
+        if num_positions > self.cos_cache.shape[0]:
+            cos, sin = rotary_tables(self.inv_freq, self.attention_scaling, num_positions, duplicate=False)
+            self.cos_cache, self.sin_cache = cos.to(self.cos_cache.device), sin.to(self.sin_cache.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate q [T, Hq, D] and k [T, Hk, D]; positions [3, T] (or [T] for text only)."""

@@ -26,6 +26,46 @@ def rope_inv_freq(config, rotary_dim: int) -> tuple[torch.Tensor, float]:
     return ROPE_INIT_FUNCTIONS[rope_type](config)
 
 
+# Config fields that bound the sequence length (vLLM's list): the smallest one present counts.
+_LENGTH_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                  "max_sequence_length", "max_seq_length", "seq_len")
+
+
+def position_limit(config) -> int | None:
+    """The longest sequence the model's positions cover, as vLLM derives it: the smallest length field, times the rope
+    scaling factor (yarn: its original_max_position_embeddings times the factor; llama3 / longrope: unchanged). None
+    without a length field. Qwen3.5 with the model card's YaRN (factor 4 over 262144): 1048576."""
+    lengths = [value for name in _LENGTH_FIELDS if isinstance(value := getattr(config, name, None), int) and value > 0]
+    if not lengths:
+        return None
+    limit = min(lengths)
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("su", "longrope", "llama3"):
+        if rope_type == "yarn" and params.get("original_max_position_embeddings"):
+            limit = params["original_max_position_embeddings"]
+        limit = int(limit * (params.get("factor") or 1.0))
+    return limit
+
+
+def rotary_tables(inv_freq: torch.Tensor, attention_scaling: float, num_positions: int,
+                  duplicate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [num_positions, slots] of every position's angles (fp32, times the attention scaling); `duplicate`
+    repeats the slots (neox's rotate-half layout)."""
+    freqs = torch.arange(num_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+    if duplicate:
+        freqs = torch.cat((freqs, freqs), dim=-1)
+    return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+
+
+def cover_positions(model: nn.Module, num_positions: int) -> None:
+    """Grow every rotary table of `model` to `num_positions` rows (a max_model_len beyond the config's own limit, as
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN allows)."""
+    for module in model.modules():
+        if hasattr(module, "cover") and hasattr(module, "cos_cache"):
+            module.cover(num_positions)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """[x1, x2] -> [-x2, x1] over the last dimension."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -38,11 +78,16 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_position: int) -> None:
         super().__init__()
         self.rotary_dim = inv_freq.numel() * 2
-        positions = torch.arange(max_position, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * attention_scaling, persistent=False)
+        self.inv_freq, self.attention_scaling = inv_freq, attention_scaling
+        cos, sin = rotary_tables(inv_freq, attention_scaling, max_position, duplicate=True)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    def cover(self, num_positions: int) -> None:
+        """Grow the tables to at least `num_positions` positions."""
+        if num_positions > self.cos_cache.shape[0]:
+            cos, sin = rotary_tables(self.inv_freq, self.attention_scaling, num_positions, duplicate=True)
+            self.cos_cache, self.sin_cache = cos.to(self.cos_cache.device), sin.to(self.sin_cache.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate q [T, Hq, D] and k [T, Hk, D] by their token positions [T]."""

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from ascendserve.config import EngineArgs, EngineConfig
+from ascendserve.layers.rotary import cover_positions, position_limit
 from ascendserve.logger import init_logger
 from ascendserve.platforms import get_platform
 
@@ -42,9 +43,24 @@ def load_hf_config(path: str, args: EngineArgs):
     else:
         from transformers import AutoConfig
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    for key, value in (args.hf_overrides or {}).items():
-        setattr(config, key, value)
+    apply_hf_overrides(config, args.hf_overrides or {})
     return config
+
+
+def apply_hf_overrides(config, overrides: dict) -> None:
+    """vLLM's hf_overrides: a dict for a nested config (Qwen3.5's text_config) updates it key by key, as the model
+    card's YaRN recipe needs; rope_scaling / rope_parameters update the rope dict (rope_theta and the rest kept);
+    anything else is set as given."""
+    from transformers import PretrainedConfig
+
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            apply_hf_overrides(current, value)
+        elif key in ("rope_scaling", "rope_parameters") and isinstance(value, dict):
+            config.rope_parameters = {**(getattr(config, "rope_parameters", None) or {}), **value}
+        else:
+            setattr(config, key, value)
 
 
 def load_tokenizer(path: str, args: EngineArgs):
@@ -185,19 +201,23 @@ def _resolve_dtype(name: str, text_config, platform) -> torch.dtype:
 
 
 def _resolve_max_model_len(requested: int | None, text_config) -> int:
-    limit = getattr(text_config, "max_position_embeddings", None)
+    """max_model_len, by default the model's own limit: its length field times the rope scaling factor (vLLM's rule:
+    Qwen3.5 with YaRN factor 4 over 262144 allows 1048576)."""
+    limit = position_limit(text_config)
     if requested is None:
         if limit is None:
             raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
         return limit
     if limit is not None and requested > limit:
         if os.environ.get(ALLOW_LONG_ENV, "").strip().lower() in ("1", "true"):
-            logger.warning("max_model_len %d is larger than the model's max_position_embeddings (%d); used as asked "
-                           "(%s): positions past %d may give wrong outputs", requested, limit, ALLOW_LONG_ENV, limit)
+            logger.warning("max_model_len %d is larger than the model's maximum length (%d); used as asked (%s): "
+                           "positions past %d may give wrong outputs", requested, limit, ALLOW_LONG_ENV, limit)
             return requested
-        raise ValueError(f"max_model_len ({requested}) is larger than the model's "
-                         f"max_position_embeddings ({limit}); lower max_model_len, or set {ALLOW_LONG_ENV}=1 to "
-                         f"use it anyway (as vLLM; positions past {limit} may give wrong outputs)")
+        raise ValueError(f"max_model_len ({requested}) is larger than the model's maximum length ({limit}: "
+                         f"max_position_embeddings, times the rope scaling factor if any); lower max_model_len, "
+                         f"extend the context with rope scaling (--hf-overrides with rope_parameters, e.g. YaRN), or "
+                         f"set {ALLOW_LONG_ENV}=1 to use it anyway (as vLLM; positions past {limit} may give wrong "
+                         f"outputs)")
     return requested
 
 
@@ -229,6 +249,7 @@ def build_model(config: EngineConfig) -> torch.nn.Module:
         torch.set_default_dtype(config.dtype)
         try:
             model = cls(config.hf_config)
+            cover_positions(model, config.max_model_len)  # a max_model_len past the model's own limit (allowed)
         finally:
             torch.set_default_dtype(default)
     model.load_weights(iter_weights(config.model_path))

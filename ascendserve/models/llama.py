@@ -8,7 +8,7 @@ from torch import nn
 from ascendserve.layers.activation import GatedActivation
 from ascendserve.layers.attention import AttentionMetadata, paged_attention
 from ascendserve.layers.norm import RMSNorm
-from ascendserve.layers.rotary import RotaryEmbedding, rope_inv_freq
+from ascendserve.layers.rotary import RotaryEmbedding, position_limit, rope_inv_freq
 from ascendserve.models.weights import StackedLoader
 
 
@@ -92,7 +92,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         inv_freq, scaling = rope_inv_freq(config, head_dim_of(config))
-        rotary = RotaryEmbedding(inv_freq, scaling, config.max_position_embeddings)
+        rotary = RotaryEmbedding(inv_freq, scaling, position_limit(config) or config.max_position_embeddings)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -20,7 +20,7 @@ from ascendserve.layers.gated_deltanet import (causal_conv1d_decode, causal_conv
                                                chunk_gated_delta_rule, recurrent_gated_delta_rule)
 from ascendserve.layers.mrope import MRotaryEmbedding
 from ascendserve.layers.norm import GemmaRMSNorm
-from ascendserve.layers.rotary import rope_inv_freq
+from ascendserve.layers.rotary import position_limit, rope_inv_freq
 from ascendserve.logger import init_logger
 from ascendserve.models.weights import StackedLoader
 
@@ -307,7 +307,7 @@ class Qwen3_5Model(nn.Module):
         params = config.rope_parameters or {}
         rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         inv_freq, scaling = rope_inv_freq(config, rotary_dim)
-        rotary = MRotaryEmbedding(inv_freq, scaling, config.max_position_embeddings,
+        rotary = MRotaryEmbedding(inv_freq, scaling, position_limit(config) or config.max_position_embeddings,
                                   params.get("mrope_section", [11, 11, 10]))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layer_types = list(config.layer_types[:config.num_hidden_layers])

@@ -241,7 +241,7 @@ def test_max_model_len_above_the_model_needs_vllms_switch(monkeypatch):
     config = SimpleNamespace(max_position_embeddings=8192)
     monkeypatch.delenv(ALLOW_LONG_ENV, raising=False)
     assert _resolve_max_model_len(None, config) == 8192 and _resolve_max_model_len(4096, config) == 4096
-    with pytest.raises(ValueError, match=r"max_model_len \(100000\).*\(8192\).*VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
+    with pytest.raises(ValueError, match=r"max_model_len \(100000\).*\(8192:.*VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
         _resolve_max_model_len(100000, config)
     monkeypatch.setenv(ALLOW_LONG_ENV, "1")
     assert _resolve_max_model_len(100000, config) == 100000
