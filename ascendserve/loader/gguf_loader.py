@@ -83,9 +83,14 @@ def _open(path: str) -> GGUFFile:
     """The file's header and tensor table (gguf_file.py: 0.16 s for the demo, where gguf.GGUFReader took 4.7)."""
     _check_gguf(path)
     try:
-        return GGUFFile(path)
+        reader = GGUFFile(path)
     except GGUFFormatError as e:
         raise UnsupportedGGUFError(str(e)) from None
+    splits = reader.get("split.count")
+    if splits and splits > 1:  # llama.cpp's split files: each holds a part of the tensors
+        raise UnsupportedGGUFError(f"{path} is one of {splits} split GGUF files, which are not supported; merge them "
+                                   f"into one with `llama-gguf-split --merge {path} merged.gguf` and load that")
+    return reader
 
 
 def _architecture(reader: GGUFFile, path: str) -> str:

@@ -44,7 +44,22 @@ def load_hf_config(path: str, args: EngineArgs):
         from transformers import AutoConfig
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     apply_hf_overrides(config, args.hf_overrides or {})
+    _refuse_quantized_checkpoint(config, path)
     return config
+
+
+def _refuse_quantized_checkpoint(config, path: str) -> None:
+    """A checkpoint whose config declares a quantization method (fp8, awq, gptq, compressed-tensors, vllm-ascend's
+    w8a8...) stores integer or fp8 values with scales this engine does not read: a clear error before loading, not
+    garbage outputs."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
+        quantization, "quant_method", None)
+    raise ValueError(f"the checkpoint at {path} is quantized (quantization_config, quant_method={method!r}): "
+                     f"quantized checkpoints are not supported; use the unquantized (bf16) checkpoint, or it with "
+                     f"--quantization int8 / int4 (weight-only, quantized at load, CPU)")
 
 
 def apply_hf_overrides(config, overrides: dict) -> None:
@@ -105,7 +120,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     path = resolve_model(args)
     hf_config = load_hf_config(path, args)
     text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
-    dtype = _resolve_dtype(args.dtype, text_config, platform)
+    dtype = _resolve_dtype(args.dtype, hf_config, text_config, platform)
     max_model_len = _resolve_max_model_len(args.max_model_len, text_config)
     budget = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else max_model_len)
     if not args.enable_chunked_prefill and budget < max_model_len:
@@ -191,10 +206,13 @@ def _demo_name() -> str:
     return DEMO_MODEL
 
 
-def _resolve_dtype(name: str, text_config, platform) -> torch.dtype:
+def _resolve_dtype(name: str, hf_config, text_config, platform) -> torch.dtype:
+    """`dtype`, or with "auto" the checkpoint's: the root config's (where transformers 5 saves a composite model's),
+    else the text config's (vLLM's order), as the platform runs it."""
     if name != "auto":
         return platform.check_dtype(_DTYPE_NAMES[name])
-    declared = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
+    declared = next((value for config in (hf_config, text_config) for key in ("dtype", "torch_dtype")
+                     if (value := getattr(config, key, None))), None)
     if isinstance(declared, str):
         declared = _DTYPE_NAMES.get(declared)
     return platform.default_dtype(declared)
@@ -222,14 +240,34 @@ def _resolve_max_model_len(requested: int | None, text_config) -> int:
 
 
 def iter_safetensors(path: str):
-    """(name, tensor) for every tensor of every *.safetensors file in the directory `path`."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    for file in files:
+    """(name, tensor) for every tensor of the checkpoint in the directory `path`: the safetensors files its
+    model.safetensors.index.json names (another file beside them, a stale consolidated one say, is not read; a missing
+    one is an error naming it), else every *.safetensors file; without any, pytorch *.bin files (vLLM's fallback)."""
+    for file in _weight_files(path):
+        if file.endswith(".bin"):
+            yield from torch.load(file, map_location="cpu", weights_only=True).items()
+            continue
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def _weight_files(path: str) -> list[str]:
+    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),
+                                ("pytorch_model.bin.index.json", "*.bin")):
+        files = sorted(glob.glob(os.path.join(path, pattern)))
+        index = os.path.join(path, index_name)
+        if files and os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                listed = sorted(set(json.load(f).get("weight_map", {}).values()))
+            missing = [name for name in listed if not os.path.isfile(os.path.join(path, name))]
+            if missing:
+                raise FileNotFoundError(f"{index} lists weight files that are not in {path}: {missing}; the download "
+                                        f"is incomplete")
+            return [os.path.join(path, name) for name in listed]
+        if files:
+            return files
+    raise FileNotFoundError(f"no *.safetensors (or pytorch *.bin) weight files in {path}")
 
 
 def iter_weights(path: str):

@@ -27,7 +27,7 @@ from ascendserve.models.weights import StackedLoader
 logger = init_logger(__name__)
 
 # Checkpoint prefixes the text model does not use: the vision tower and the multi-token-prediction head.
-UNUSED_PREFIXES = ("model.visual.", "mtp.")
+UNUSED_PREFIXES = ("model.visual.", "visual.", "mtp.")  # the vision tower (both layouts) and the MTP head
 
 
 class GatedMLP(nn.Module):

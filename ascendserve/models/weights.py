@@ -64,4 +64,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise WeightLoadError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, "
                               f"the model expects {tuple(dst.shape)}")
+    if not src.is_floating_point() or src.element_size() == 1:  # int8 / uint8 / fp8 values are a quantized layout
+        raise WeightLoadError(f"checkpoint tensor {name!r} is {src.dtype}: quantized checkpoints are not supported "
+                              f"(their values mean nothing without their scales); use the unquantized (bf16) "
+                              f"checkpoint, or --quantization int8 / int4 on a CPU")
     dst.copy_(src)
