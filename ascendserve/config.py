@@ -41,6 +41,10 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int | None = 0
     max_logprobs: int = 20  # most logprobs a request may ask for per token (vLLM's default); -1: no cap
+    # Default sampling parameters: "auto" reads the checkpoint's generation_config.json, "vllm" none, a directory its
+    # generation_config.json; override_generation_config's keys go on top (vLLM's flags)
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # None: 256, fewer for hybrid models if their state pool needs it
     max_num_batched_tokens: int | None = None

@@ -1,6 +1,7 @@
 """vLLM's engine flags on an argparse parser, and back to EngineArgs."""
 
 import argparse
+import json
 
 from ascendserve.config import (ACTIVATION_QUANTIZATION_METHODS, ARRIVAL_WINDOW_CAP, KV_CACHE_DTYPES,
                                 MAMBA_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs)
@@ -28,6 +29,36 @@ def positive_float(value: str) -> float:
     return number
 
 
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_readable_int(value: str) -> int:
+    """argparse type: an integer, or one with vLLM's suffix (decimal k / m / g, binary K / M / G): 32k -> 32000,
+    32K -> 32768, 1.5k -> 1500."""
+    text = value.strip()
+    try:
+        if text and text[-1] in _SUFFIXES:
+            number = float(text[:-1]) * _SUFFIXES[text[-1]]
+            if number != int(number):
+                raise ValueError
+            return int(number)
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer is needed (or one with k / m / g, K / M / G), got {value!r}") \
+            from None
+
+
+def _json_object(value: str) -> dict:
+    """argparse type: a JSON object."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {e}; example: '{{\"temperature\": 0.5}}'") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {value!r}")
+    return parsed
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that map one to one onto EngineArgs fields (`--max-model-len` -> max_model_len)."""
     d = EngineArgs()
@@ -37,7 +68,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default=None)
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--generation-config", default=d.generation_config,
+                        help="default sampling parameters: auto (the checkpoint's generation_config.json), vllm "
+                             "(none), or a directory holding a generation_config.json")
+    parser.add_argument("--override-generation-config", type=_json_object, default=None,
+                        help='generation config keys on top of --generation-config, e.g. \'{"temperature": 0.5}\'')
+    parser.add_argument("--max-model-len", type=human_readable_int, default=None,
+                        help="e.g. 32768, 32k (32000) or 32K (32768), as vLLM reads it")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)

@@ -62,6 +62,14 @@ NO_EFFECT_FLAGS = {
     "--response-role": ({}, "replies carry the role 'assistant'"),
     "--tool-parser-plugin": ({}, "parser plugins are not loaded; the built-in tool-call parsers are hermes, "
                                  "qwen3_coder and qwen3_xml"),
+    "--tokenizer-revision": ({}, "the tokenizer is read at the model's revision (or from --tokenizer's path)"),
+    "--tokenizer-mode": ({}, "the Hugging Face tokenizer is used"),
+    "--load-format": ({}, "safetensors (or .bin, or GGUF) weights are read as found"),
+    "--download-dir": ({}, "downloads go to the Hugging Face cache (HF_HOME / HF_HUB_CACHE)"),
+    "--code-revision": ({}, "no remote code is run for the supported models"),
+    "--config-format": ({}, "the Hugging Face config.json (or the GGUF's metadata) is read"),
+    "--model-impl": ({}, "this engine's own model implementations run"),
+    "--hf-config-path": ({}, "the config is read from the model's directory"),
 }
 
 
@@ -128,6 +136,7 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--disable-log-requests", action="store_true")
     p.add_argument("--disable-log-stats", action="store_true")
+    p.add_argument("--hf-token", default=None, help="token for gated Hugging Face downloads (sets HF_TOKEN)")
     p.add_argument("--shutdown-timeout", type=float, default=0.0,
                    help="on SIGTERM / SIGINT: seconds in-flight requests may run on before they are aborted (0, the "
                         "default: aborted at once, their streams ending with finish_reason 'abort')")
@@ -191,6 +200,8 @@ def run(ns: argparse.Namespace) -> int:
     """Validate the flags, build the engine, serve until interrupted."""
     ns.model = ns.model or ns.model_tag
     ns.api_key = ns.api_key or os.environ.get("VLLM_API_KEY") or None
+    if ns.hf_token:
+        os.environ["HF_TOKEN"] = ns.hf_token  # huggingface_hub's downloads read it
     try:
         check_flags(ns)
         if ns.tensor_parallel_size != 1:
@@ -216,8 +227,7 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None) -> None:
 
     from ascendserve.engine.async_engine import AsyncLLM
     from ascendserve.engine.llm_engine import LLMEngine
-    from ascendserve.entrypoints.openai.api_server import (DEFAULT_LOG_STATS_INTERVAL_S, build_app,
-                                                           load_default_sampling_params)
+    from ascendserve.entrypoints.openai.api_server import DEFAULT_LOG_STATS_INTERVAL_S, build_app
     from ascendserve.entrypoints.openai.serving_engine import ServerOptions
     from ascendserve.entrypoints.openai.serving_models import ServingModels
     from ascendserve.metrics import EngineMetrics
@@ -236,7 +246,7 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None) -> None:
         default_chat_template_kwargs=ns.default_chat_template_kwargs,
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
         enable_force_include_usage=ns.enable_force_include_usage,
-        default_sampling_params=load_default_sampling_params(config.model_path))
+        default_sampling_params=engine.default_sampling_params)
     interval = None if ns.disable_log_stats else float(
         os.environ.get("VLLM_LOG_STATS_INTERVAL", DEFAULT_LOG_STATS_INTERVAL_S))
     cors = {"allowed_origins": _flat(ns.allowed_origins), "allowed_methods": _flat(ns.allowed_methods),

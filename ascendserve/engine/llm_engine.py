@@ -27,6 +27,7 @@ class LLMEngine:
     """Scheduler + model runner + output processor, driven one `step()` at a time."""
 
     def __init__(self, config: EngineConfig) -> None:
+        from ascendserve.loader.generation_config import default_sampling_params
         from ascendserve.loader.model_loader import build_model, eos_token_ids, load_tokenizer
         from ascendserve.worker.kv_budget import plan_kv_cache
         from ascendserve.worker.model_runner import ModelRunner
@@ -38,6 +39,9 @@ class LLMEngine:
         # gets its own OpenMP team, and with more OpenMP threads than cores libgomp stops spinning
         # between regions, which made a server's decode step 1.5x slower on 2 cores.
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="ascendserve-model")
+        # SamplingParams fields a request without them gets (the checkpoint's generation_config.json, vLLM's)
+        self.default_sampling_params = default_sampling_params(config.model_path, config.args.generation_config,
+                                                               config.args.override_generation_config)
         self.tokenizer = load_tokenizer(config.model_path, config.args)
         self.eos_token_ids = eos_token_ids(config.model_path, self.tokenizer, config.hf_config)
 

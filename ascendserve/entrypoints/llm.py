@@ -20,11 +20,17 @@ class LLM:
         """The tokenizer the engine uses."""
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` / `chat` use without sampling_params: the checkpoint's generation_config.json defaults
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM; plain SamplingParams()
+        without them or with generation_config="vllm"."""
+        return SamplingParams(**(self.llm_engine.default_sampling_params or {}))
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
         prompts = _as_list(prompts)
-        params = _params_per_prompt(sampling_params, len(prompts))
+        params = _params_per_prompt(sampling_params or self.get_default_sampling_params(), len(prompts))
         engine = self.llm_engine
         ids = []
         try:

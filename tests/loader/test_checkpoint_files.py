@@ -80,3 +80,21 @@ def test_auto_dtype_reads_a_composite_configs_root():
     assert _resolve_dtype("auto", root, text, platform) == platform.default_dtype(torch.bfloat16)
     assert _resolve_dtype("auto", SimpleNamespace(), SimpleNamespace(torch_dtype="float32"), platform) == \
         platform.default_dtype(torch.float32)
+
+
+def test_generation_config_defaults_in_the_offline_api(tmp_path):
+    """vLLM's --generation-config: the checkpoint's generation_config.json gives LLM.generate its defaults (it ran
+    with plain SamplingParams() offline); "vllm" turns them off; override_generation_config goes on top."""
+    save_llama(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "temperature": 0.0}))
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_gpu_blocks_override=32)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.max_tokens, defaults.temperature) == (3, 0.0)
+    assert len(llm.generate(PROMPT, use_tqdm=False)[0].outputs[0].token_ids) == 3
+    off = LLM(str(tmp_path), skip_tokenizer_init=True, generation_config="vllm", num_gpu_blocks_override=32)
+    assert off.get_default_sampling_params().max_tokens == SamplingParams().max_tokens
+    over = LLM(str(tmp_path), skip_tokenizer_init=True, override_generation_config={"max_new_tokens": 5},
+               num_gpu_blocks_override=32)
+    assert over.get_default_sampling_params().max_tokens == 5
+    with pytest.raises(ValueError, match="generation_config '/nowhere' must be 'auto', 'vllm' or a directory"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, generation_config="/nowhere")

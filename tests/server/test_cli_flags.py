@@ -1,6 +1,7 @@
 """`ascendserve serve` flags: vLLM command lines parse, bad values stop start-up, inert flags warn once each."""
 
 import logging
+import os
 import shlex
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import sys
 import pytest
 
 from ascendserve.cli import serve as serve_cli
+from ascendserve.cli.engine_flags import human_readable_int
 from ascendserve.cli.main import build_parser, main
 
 USER_LINE = ("serve Qwen/Qwen3.5-27B --tensor-parallel-size 1 --reasoning-parser qwen3 "
@@ -105,6 +107,31 @@ def test_qwen3_5_chat_flags_parse(started, warnings):
         assert sum(m.startswith(flag + " ") for m in warnings) == 1, (flag, warnings)
     assert len(warnings) == len(inert)
     assert main(["serve", "--default-chat-template-kwargs", "[1]"]) == 2
+
+
+def test_vllm_loading_flags_parse(started, warnings, monkeypatch):
+    """The loading flags of vLLM command lines: the generation-config pair, --hf-token and a human-readable
+    --max-model-len act; the rest warn once each (the token itself is never logged)."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    line = ("serve m --generation-config vllm --override-generation-config '{\"temperature\": 0.5}' "
+            "--max-model-len 32K --hf-token hf_secret --tokenizer-revision main --tokenizer-mode auto "
+            "--load-format safetensors --download-dir /tmp/x --code-revision main --config-format hf --model-impl vllm "
+            "--hf-config-path /tmp/c")
+    assert main(shlex.split(line)) == 0
+    args = started["args"]
+    assert args.generation_config == "vllm" and args.override_generation_config == {"temperature": 0.5}
+    assert args.max_model_len == 32768 and os.environ["HF_TOKEN"] == "hf_secret"
+    inert = ["--tokenizer-revision", "--tokenizer-mode", "--load-format", "--download-dir", "--code-revision",
+             "--config-format", "--model-impl", "--hf-config-path"]
+    for flag in inert:
+        assert sum(m.startswith(flag + " ") for m in warnings) == 1, (flag, warnings)
+    assert len(warnings) == len(inert) and not any("hf_secret" in m for m in warnings)
+
+
+@pytest.mark.parametrize("text, value", [("32768", 32768), ("32k", 32000), ("32K", 32768), ("1.5k", 1500),
+                                         ("1m", 10**6), ("1M", 2**20)])
+def test_human_readable_max_model_len(text, value):
+    assert human_readable_int(text) == value
 
 
 @pytest.mark.parametrize("flag", sorted(serve_cli.JSON_FLAG_EXAMPLES))

@@ -3,8 +3,6 @@
 import asyncio
 import contextlib
 import hmac
-import json
-import os
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -128,20 +126,4 @@ def _install_api_key_check(app: FastAPI, keys: list[str]) -> None:
         return await call_next(request)
 
 
-def load_default_sampling_params(model_path: str) -> dict | None:
-    """Sampling defaults from the checkpoint's generation_config.json (vLLM's --generation-config auto)."""
-    path = os.path.join(model_path, "generation_config.json") if os.path.isdir(model_path) else None
-    if not path or not os.path.exists(path):
-        return None
-    with open(path) as f:
-        config = json.load(f)
-    keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-    defaults = {ours: config[theirs] for theirs, ours in keys.items() if config.get(theirs) is not None}
-    if defaults:
-        logger.info("Default sampling parameters have been overridden by the model's generation config: %s",
-                    defaults)
-    return defaults or None
-
-
-__all__ = ["build_app", "load_default_sampling_params", "OpenAIError", "DEFAULT_LOG_STATS_INTERVAL_S"]
+__all__ = ["build_app", "OpenAIError", "DEFAULT_LOG_STATS_INTERVAL_S"]
