@@ -78,9 +78,10 @@ def fuse_expert_weights(weights: Iterable[tuple[str, torch.Tensor]],
         fused = _complete_group(pending, prefix, num_experts)
         if fused is not None:
             yield fused
-    if pending:
-        (prefix, proj), have = next(iter(pending.items()))
-        raise WeightLoadError(f"checkpoint has {len(have)} of {num_experts} experts for {prefix}.*.{proj}")
+    if pending:  # the groups short of experts (a complete gate_proj waits for its up_proj, and is not named)
+        short = [f"{prefix}.*.{proj}: experts {sorted(set(range(num_experts)) - set(have))} missing"
+                 for (prefix, proj), have in pending.items() if len(have) < num_experts]
+        raise WeightLoadError(f"checkpoint lacks per-expert tensors of {num_experts} experts: {'; '.join(short)}")
 
 
 def _complete_group(pending, prefix: str, num_experts: int) -> tuple[str, torch.Tensor] | None:
