@@ -53,12 +53,16 @@ def run_batch(engine, prompts: list[list[int]], output_len: int) -> IterationTim
 
 def run_latency(engine, batch_size: int, input_len: int, output_len: int, num_iters: int,
                 num_iters_warmup: int, seed: int = 0) -> list[IterationTiming]:
-    """Warm up, then time `num_iters` identical batches."""
+    """Warm up, then time `num_iters` batches of the same shape. Each batch has prompts of its own: a repeated one
+    would be a prefix-cache hit (prefix caching is on by default), timing no prefill at all."""
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, engine.vocab_size, size=input_len).tolist() for _ in range(batch_size)]
+
+    def prompts() -> list[list[int]]:
+        return [rng.integers(0, engine.vocab_size, size=input_len).tolist() for _ in range(batch_size)]
+
     for _ in range(num_iters_warmup):
-        run_batch(engine, prompts, output_len)
-    return [run_batch(engine, prompts, output_len) for _ in range(num_iters)]
+        run_batch(engine, prompts(), output_len)
+    return [run_batch(engine, prompts(), output_len) for _ in range(num_iters)]
 
 
 def latency_summary(timings: list[IterationTiming]) -> dict:

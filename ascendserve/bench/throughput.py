@@ -47,9 +47,11 @@ def workload(num_prompts: int, vocab_size: int, input_len: int, output_len: int,
 
 
 def run_throughput(llm, prompts: list[list[int]], output_lens: list[int]) -> ThroughputResult:
-    """Generate every request once (after a one-request warm-up) and time the whole batch."""
+    """Generate every request once (after a one-request warm-up on a prompt of its own: a measured one would be a
+    prefix-cache hit) and time the whole batch."""
     from ascendserve import SamplingParams
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    warmup = [(token + 1) % llm.llm_engine.vocab_size for token in prompts[0]]
+    llm.generate([{"prompt_token_ids": warmup}], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n) for n in output_lens]
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from ascendserve.bench.datasets import SampleRequest
-from ascendserve.bench.latency import IterationTiming, latency_summary, run_batch
+from ascendserve.bench.latency import IterationTiming, latency_summary, run_batch, run_latency
 from ascendserve.bench.serve import ServeConfig, arrivals, request_body, send_request
 from ascendserve.bench.throughput import workload
 from ascendserve.cli.main import build_parser
@@ -153,6 +153,34 @@ def test_latency_phases():
     assert summary["avg_latency"] == pytest.approx(0.59) and summary["avg_prefill_time"] == pytest.approx(0.55)
     assert summary["avg_decode_time_per_step"] == pytest.approx(0.02)
     assert summary["percentiles"]["50"] == pytest.approx(0.59)
+
+
+def test_latency_batches_never_repeat_a_prompt():
+    """Each warm-up and timed batch has prompts of its own: repeated ones were prefix-cache hits, so 'prefill' timed
+    none (~9x too low with prefix caching on, the default)."""
+    class Recorder:
+        vocab_size = 50000
+
+        def __init__(self):
+            self.prompts, self.pending = [], []
+
+        def next_request_id(self):
+            return str(len(self.prompts))
+
+        def add_request(self, request_id, prompt, params):
+            self.prompts.append(tuple(prompt["prompt_token_ids"]))
+            self.pending.append(request_id)
+
+        def has_unfinished_requests(self):
+            return bool(self.pending)
+
+        def step(self):
+            done, self.pending = self.pending, []
+            return [_Out(r, 1) for r in done]
+
+    engine = Recorder()
+    run_latency(engine, batch_size=2, input_len=8, output_len=1, num_iters=3, num_iters_warmup=2)
+    assert len(engine.prompts) == 10 and len(set(engine.prompts)) == 10
 
 
 def test_cli_flags_parse():
