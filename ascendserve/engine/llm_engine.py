@@ -1,6 +1,7 @@
 """The synchronous engine: add requests, step, collect RequestOutputs."""
 
 import itertools
+import numbers
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -81,7 +82,13 @@ class LLMEngine:
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as str, {"prompt": str} or {"prompt_token_ids": [...]}."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            token_ids = prompt["prompt_token_ids"]
+            if isinstance(token_ids, (str, bytes)) or not all(
+                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in token_ids):
+                raise ValueError(f"prompt_token_ids must be a list of integer token ids, got {token_ids!r:.80}")
+            return prompt.get("prompt"), [int(t) for t in token_ids]
+        if isinstance(prompt, dict) and "prompt" not in prompt:
+            raise TypeError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got keys {sorted(prompt)}")
         text = prompt["prompt"] if isinstance(prompt, dict) else prompt
         if not isinstance(text, str):
             raise TypeError(f"a prompt must be a str, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "

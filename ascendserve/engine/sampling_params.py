@@ -103,6 +103,9 @@ class SamplingParams:
                 self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
             except ValueError as e:
                 raise ValueError(f"structured_outputs: {e}") from None
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(f"structured_outputs must be a StructuredOutputsParams or vLLM's dict form such as "
+                            f"{{'json': schema}}, got {type(self.structured_outputs).__name__}")
 
     def _verify_args(self) -> None:
         _check_int("n", self.n)

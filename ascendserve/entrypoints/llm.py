@@ -7,7 +7,7 @@ from tqdm import tqdm
 from ascendserve.config import EngineArgs
 from ascendserve.engine.llm_engine import LLMEngine
 from ascendserve.engine.outputs import RequestOutput
-from ascendserve.engine.sampling_params import SamplingParams
+from ascendserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -35,9 +35,12 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
+                if p.output_kind == RequestOutputKind.DELTA:  # only each request's last output is kept: make it whole
+                    p = p.clone()
+                    p.output_kind = RequestOutputKind.FINAL_ONLY
                 ids.append(engine.next_request_id())
                 engine.add_request(ids[-1], prompt, p)
-        except Exception:
+        except BaseException:  # a KeyboardInterrupt too: nothing of this call stays queued
             engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
@@ -52,6 +55,9 @@ class LLM:
         if continue_final_message and add_generation_prompt:  # transformers' and the server's error, before any work
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: pass "
                              "add_generation_prompt=False to continue the last assistant message")
+        if not isinstance(messages, (list, tuple)):
+            raise TypeError(f"messages must be a list of message dicts (or a list of such lists), got "
+                            f"{type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = []
@@ -86,6 +92,8 @@ class LLM:
 def _as_list(prompts) -> list:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if prompts is None or not hasattr(prompts, "__iter__"):
+        raise TypeError(f"prompts must be a str, a prompt dict or a list of them, got {type(prompts).__name__}")
     return list(prompts)
 
 
@@ -94,7 +102,12 @@ def _params_per_prompt(params, num: int) -> list[SamplingParams]:
         return [SamplingParams()] * num
     if isinstance(params, SamplingParams):
         return [params] * num
+    if isinstance(params, dict) or not hasattr(params, "__iter__"):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
     params = list(params)
     if len(params) != num:
         raise ValueError(f"sampling_params has {len(params)} entries for {num} prompts; give one or one per prompt")
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise TypeError("sampling_params must be a SamplingParams or a list of them; the list holds "
+                        f"{sorted({type(p).__name__ for p in params})}")
     return params

@@ -69,6 +69,44 @@ def test_bad_prompts_raise_clear_errors(llm):
     assert not llm.llm_engine.has_unfinished_requests() and pool_is_idle(llm)
 
 
+def test_bad_arguments_name_what_is_wrong_and_leave_nothing_queued(llm):
+    from ascendserve.engine.sampling_params import RequestOutputKind
+
+    cases = [(lambda: llm.generate({"text": "hi"}), TypeError, "needs 'prompt'"),
+             (lambda: llm.generate("Hi", {"max_tokens": 3}), TypeError, "sampling_params must be a SamplingParams"),
+             (lambda: llm.generate(["Hi"], [{"max_tokens": 3}]), TypeError, "the list holds"),
+             (lambda: llm.generate({"prompt_token_ids": [1.5, 2]}), ValueError, "integer token ids"),
+             (lambda: llm.generate({"prompt_token_ids": "abc"}), ValueError, "integer token ids"),
+             (lambda: llm.generate(None), TypeError, "prompts must be"),
+             (lambda: llm.chat("hello"), TypeError, "messages must be a list"),
+             (lambda: SamplingParams(structured_outputs="json"), TypeError, "structured_outputs must be")]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+    assert pool_is_idle(llm) and not llm.llm_engine.has_unfinished_requests()
+    # DELTA outputs would leave only each request's last step: the offline API returns whole outputs, as vLLM
+    whole = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].outputs[0]
+    delta = SamplingParams(temperature=0, max_tokens=24, output_kind=RequestOutputKind.DELTA)
+    assert llm.generate("The capital of France is", delta, use_tqdm=False)[0].outputs[0].token_ids == whole.token_ids
+    assert delta.output_kind == RequestOutputKind.DELTA  # the caller's params untouched
+
+
+def test_interrupt_while_adding_leaves_nothing_queued(llm, monkeypatch):
+    engine, added = llm.llm_engine, []
+    add = engine.add_request
+
+    def add_then_interrupt(request_id, prompt, params):
+        if len(added) == 2:
+            raise KeyboardInterrupt  # Ctrl-C while the third prompt is added
+        added.append(request_id)
+        add(request_id, prompt, params)
+
+    monkeypatch.setattr(engine, "add_request", add_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["one", "two", "three"], GREEDY, use_tqdm=False)
+    assert len(added) == 2 and not engine.has_unfinished_requests() and pool_is_idle(llm)
+
+
 def test_stop_strings_cut_text(llm):
     base = llm.generate("Count: one, two, three,", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
