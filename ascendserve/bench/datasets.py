@@ -169,9 +169,12 @@ def prefix_repetition_requests(codec, num_prompts: int, prefix_len: int, suffix_
     return [requests[i] for i in order]
 
 
-def _turns(entry: dict) -> list[str]:
+def _turns(entry) -> list[str]:
+    """The turns' texts of one ShareGPT entry; none for an entry that is not a conversation object (skipped)."""
+    if not isinstance(entry, dict):
+        return []
     turns = entry.get("conversations") or entry.get("conversation") or entry.get("messages") or []
-    return [t.get("value", t.get("content")) for t in turns if isinstance(t, dict)]
+    return [t.get("value", t.get("content")) for t in turns if isinstance(t, dict)] if isinstance(turns, list) else []
 
 
 def sharegpt_requests(path: str, codec, num_prompts: int, output_len: int | None = None,

@@ -32,6 +32,7 @@ class RequestFuncOutput:
     start_time: float = 0.0
     generated_text: str = ""
     server_prompt_tokens: int | None = None
+    finish_reason: str | None = None  # the stream's last one
     error: str = ""
 
     @property

@@ -97,7 +97,10 @@ async def send_request(client, cfg: ServeConfig, req: SampleRequest) -> RequestF
                 if usage := data.get("usage"):
                     out.output_tokens = usage.get("completion_tokens", out.output_tokens)
                     out.server_prompt_tokens = usage.get("prompt_tokens")
-                text = "".join(_chunk_text(c) for c in data.get("choices") or [])
+                choices = data.get("choices") or []
+                out.finish_reason = next((c["finish_reason"] for c in choices if c.get("finish_reason")),
+                                         out.finish_reason)
+                text = "".join(_chunk_text(c) for c in choices)
                 if not text:
                     continue
                 now = time.perf_counter()
@@ -109,10 +112,12 @@ async def send_request(client, cfg: ServeConfig, req: SampleRequest) -> RequestF
                 out.num_chunks += 1
                 out.generated_text += text
         out.latency = time.perf_counter() - start
-        out.success = out.num_chunks > 0 or out.output_tokens is not None
+        out.success = (out.num_chunks > 0 or out.output_tokens is not None) and out.finish_reason != "abort"
         if out.num_chunks == 0:  # only tokens with no text (an immediate EOS): the first token came at the end
             out.ttft = out.latency
-        if not out.success:
+        if out.finish_reason == "abort":  # the server gave up on it (shutting down, say): a failure, not a result
+            out.error = "aborted by the server (finish_reason abort)"
+        elif not out.success:
             out.error = "the stream ended without any generated text"
     except Exception as e:  # noqa: BLE001 - a failed request is counted, never fatal to the run
         out.error = f"{type(e).__name__}: {e}"

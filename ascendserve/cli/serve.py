@@ -287,7 +287,9 @@ def _run_server(config, on_exit) -> None:
 
 def _drain_or_abort(async_llm, timeout_s: float) -> None:
     """SIGTERM / SIGINT (vLLM's --shutdown-timeout): abort every request now, or after `timeout_s` seconds of drain.
-    uvicorn meanwhile takes no new connections and ends each open one once its response is done."""
+    uvicorn meanwhile takes no new connections and ends each open one once its response is done; a request that still
+    arrives on one is refused (503)."""
+    async_llm.begin_shutdown()
     if timeout_s <= 0:
         logger.info("Shutting down: aborting the requests in flight (--shutdown-timeout 0)")
         async_llm.abort_all()

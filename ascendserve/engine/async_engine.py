@@ -84,6 +84,7 @@ class AsyncLLM:
         self._blocked = 0  # sequences the last step left waiting
         self._num_added = 0  # engine thread: adds applied since the last snapshot
         self._lock = threading.Lock()
+        self.shutting_down = False  # set by begin_shutdown(): no new requests
         self._stopping = threading.Event()  # set by shutdown(), or when the interpreter exits
         # The loop runs on the engine's model thread where the engine offers it (then step() calls the model
         # directly, with no hand-off), else on a daemon thread of its own.
@@ -161,6 +162,10 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, returns at once; its iterator ends with finish_reason 'abort')."""
         self._send(_Abort(request_id))
+
+    def begin_shutdown(self) -> None:
+        """From now on the server refuses new requests (OpenAIServing.admit); those in flight run on or are aborted."""
+        self.shutting_down = True
 
     def abort_all(self) -> None:
         """Abort every request in the engine (thread-safe, returns at once): each iterator ends with finish_reason

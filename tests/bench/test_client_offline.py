@@ -81,6 +81,12 @@ def test_failed_requests_are_recorded():
     assert not out.success and out.error.startswith("HTTP 503") and "busy" in out.error
     out, _ = _send(_sse({"error": {"message": "boom"}}))
     assert not out.success and "boom" in out.error
+    # a stream the server ended with finish_reason abort (its shutdown) is a failure, not a short result
+    out, _ = _send(_sse({"choices": [{"text": "a"}]}, {"choices": [{"text": "", "finish_reason": "abort"}]}, "[DONE]"))
+    assert not out.success and out.finish_reason == "abort" and "aborted by the server" in out.error
+    out, _ = _send(_sse({"choices": [{"text": "a"}]}, {"choices": [{"text": "b", "finish_reason": "length"}]},
+                        "[DONE]"))
+    assert out.success and out.finish_reason == "length"
 
 
 def test_request_body_without_ignore_eos():

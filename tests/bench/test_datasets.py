@@ -61,7 +61,8 @@ def test_sharegpt_reader(tmp_path):
 
     data = [conv(5, 6), conv(2, 9), conv(8, 3), {"conversations": [{"from": "human", "value": "only one"}]},
             conv(1100, 5), conv(10, 12),
-            {"messages": [{"role": "user", "content": "u u u u u"}, {"role": "assistant", "content": "b b b b"}]}]
+            {"messages": [{"role": "user", "content": "u u u u u"}, {"role": "assistant", "content": "b b b b"}]},
+            "a plain string entry", {"conversations": "not a list"}, None]  # skipped (a plain string crashed the run)
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
     requests = sharegpt_requests(str(path), WordCodec(), num_prompts=3, seed=0)

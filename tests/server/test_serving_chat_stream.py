@@ -288,6 +288,10 @@ def test_app_overload_and_dead_engine(tokenizer):
     r = client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["type"] == "ServiceUnavailableError"
+    engine.num_waiting = 0
+    engine.shutting_down = True  # SIGTERM received: a request still arriving on an open connection is refused
+    r = client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
     engine.errored = True
     assert client.get("/health").status_code == 503
 

@@ -79,6 +79,9 @@ class OpenAIServing:
         name = self.models.check_model(request.model)
         if self.engine.errored:
             raise OpenAIError("The engine has failed and cannot serve requests; restart the server.", 503)
+        if getattr(self.engine, "shutting_down", False):
+            raise OpenAIError("The server is shutting down and takes no new requests; send it to another replica.",
+                              503)
         self.check_waiting_limit()
         return name
 
