@@ -280,7 +280,7 @@ METHODS = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
 
 def _drift(path: str, method: str, prompts, reference) -> list[float]:
     """|logprob| change of each reference token, teacher-forced (the reference's own prefix each step)."""
-    llm = LLM(path, skip_tokenizer_init=True, **{"dtype": "float32", **METHODS[method]})
+    llm = LLM(path, skip_tokenizer_init=True, max_logprobs=-1, **{"dtype": "float32", **METHODS[method]})
     requests, targets = [], []
     for prompt, (tokens, _) in zip(prompts, reference):
         for i in range(MAX_NEW):
@@ -302,7 +302,7 @@ def drift(request, tmp_path_factory):
     torch.manual_seed(0)
     {"llama": _llama, "qwen3_5": _qwen3_5}[request.param](path)
     prompts = make_prompts(VOCAB, [5, 17, 40], seed=2)
-    llm = LLM(path, skip_tokenizer_init=True, dtype="float32")
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", max_logprobs=-1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True),
                            use_tqdm=False)

@@ -248,6 +248,8 @@ def test_app_server_wide_chat_options(tokenizer):
     assert engine.prompts[-1]["prompt"].endswith("<think>\n")  # the request's own value wins
     client.post("/v1/chat/completions", json={"messages": ask, "tools": TOOLS, "tool_choice": "none"})
     assert "get_weather" not in engine.prompts[-1]["prompt"]
+    tokenized = client.post("/tokenize", json={"messages": ask, "tools": TOOLS})  # no tool_choice on /tokenize
+    assert tokenized.status_code == 200 and tokenized.json()["count"] > 0
     client.post("/v1/chat/completions", json={"messages": ask, "tools": TOOLS})
     assert "get_weather" in engine.prompts[-1]["prompt"]
     _, chunks = stream_deltas(client, {"messages": ask})

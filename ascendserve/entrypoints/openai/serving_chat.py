@@ -219,7 +219,7 @@ class OpenAIServingChat(OpenAIServing):
         request.chat_template_kwargs = {**(self.options.default_chat_template_kwargs or {}),
                                         **(request.chat_template_kwargs or {})} or None
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
-        if request.tool_choice == "none" and self.options.exclude_tools_when_tool_choice_none:
+        if getattr(request, "tool_choice", None) == "none" and self.options.exclude_tools_when_tool_choice_none:
             tools = None
         text = render_chat(self.tokenizer, request.messages,
                            chat_template=request.chat_template or self.options.chat_template, tools=tools,
