@@ -8,11 +8,11 @@
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 
-from ascendserve.cli.engine_flags import add_engine_flags, engine_args_from, positive_float, positive_int
+from ascendserve.cli.engine_flags import (add_engine_flags, engine_args_from, json_object, positive_float,
+                                          positive_int)
 
 
 def register(sub) -> None:
@@ -55,7 +55,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--extra-body", type=_json_object, default=None,
+    p.add_argument("--extra-body", type=json_object, default=None,
                    help="a JSON object merged into every request body, e.g. for a server without ignore_eos: "
                         "'{\"min_tokens\": 128}'")
     p.add_argument("--percentile-metrics", type=_percentile_metrics, default="ttft,tpot,itl,e2el")
@@ -96,17 +96,6 @@ def _percentiles(value: str) -> str:
     if not all(0 < n <= 100 for n in numbers):
         raise argparse.ArgumentTypeError(f"percentiles must be in (0, 100], got {value!r}")
     return value
-
-
-def _json_object(value: str) -> dict:
-    """argparse type of --extra-body: a JSON object."""
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {value!r}") from None
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {value!r}")
-    return parsed
 
 
 def _add_offline_common(p: argparse.ArgumentParser) -> None:

@@ -48,12 +48,12 @@ def human_readable_int(value: str) -> int:
             from None
 
 
-def _json_object(value: str) -> dict:
+def json_object(value: str) -> dict:
     """argparse type: a JSON object."""
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {e}; example: '{{\"temperature\": 0.5}}'") from None
+        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {e}") from None
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError(f"a JSON object is needed, got {value!r}")
     return parsed
@@ -71,7 +71,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default=d.generation_config,
                         help="default sampling parameters: auto (the checkpoint's generation_config.json), vllm "
                              "(none), or a directory holding a generation_config.json")
-    parser.add_argument("--override-generation-config", type=_json_object, default=None,
+    parser.add_argument("--override-generation-config", type=json_object, default=None,
                         help='generation config keys on top of --generation-config, e.g. \'{"temperature": 0.5}\'')
     parser.add_argument("--max-model-len", type=human_readable_int, default=None,
                         help="e.g. 32768, 32k (32000) or 32K (32768), as vLLM reads it")

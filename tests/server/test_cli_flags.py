@@ -90,6 +90,13 @@ def test_structured_output_backend_flags_parse_and_warn(started, warnings):
         assert sum(m.startswith(flag + " ") and "llguidance" in m for m in warnings) == 1, (flag, warnings)
 
 
+def assert_warned_once_each(warnings: list[str], flags: list[str]) -> None:
+    """One warning line per inert flag, and no other."""
+    for flag in flags:
+        assert sum(m.startswith(flag + " ") for m in warnings) == 1, (flag, warnings)
+    assert len(warnings) == len(flags), warnings
+
+
 def test_qwen3_5_chat_flags_parse(started, warnings):
     """Flags of public Qwen3.5 `vllm serve` lines: the chat ones act (options checked in test_serving_chat_stream),
     the rest warn once each; qwen3_xml is the qwen3_coder parser."""
@@ -101,11 +108,8 @@ def test_qwen3_5_chat_flags_parse(started, warnings):
     ns = started["ns"]
     assert ns.default_chat_template_kwargs == {"enable_thinking": False}
     assert ns.exclude_tools_when_tool_choice_none and ns.enable_force_include_usage
-    inert = ["--chat-template-content-format", "--enable-prompt-tokens-details", "--return-tokens-as-token-ids",
-             "--response-role", "--tool-parser-plugin"]
-    for flag in inert:
-        assert sum(m.startswith(flag + " ") for m in warnings) == 1, (flag, warnings)
-    assert len(warnings) == len(inert)
+    assert_warned_once_each(warnings, ["--chat-template-content-format", "--enable-prompt-tokens-details",
+                                       "--return-tokens-as-token-ids", "--response-role", "--tool-parser-plugin"])
     assert main(["serve", "--default-chat-template-kwargs", "[1]"]) == 2
 
 
@@ -121,11 +125,9 @@ def test_vllm_loading_flags_parse(started, warnings, monkeypatch):
     args = started["args"]
     assert args.generation_config == "vllm" and args.override_generation_config == {"temperature": 0.5}
     assert args.max_model_len == 32768 and os.environ["HF_TOKEN"] == "hf_secret"
-    inert = ["--tokenizer-revision", "--tokenizer-mode", "--load-format", "--download-dir", "--code-revision",
-             "--config-format", "--model-impl", "--hf-config-path"]
-    for flag in inert:
-        assert sum(m.startswith(flag + " ") for m in warnings) == 1, (flag, warnings)
-    assert len(warnings) == len(inert) and not any("hf_secret" in m for m in warnings)
+    assert_warned_once_each(warnings, ["--tokenizer-revision", "--tokenizer-mode", "--load-format", "--download-dir",
+                                       "--code-revision", "--config-format", "--model-impl", "--hf-config-path"])
+    assert not any("hf_secret" in m for m in warnings)
 
 
 @pytest.mark.parametrize("text, value", [("32768", 32768), ("32k", 32000), ("32K", 32768), ("1.5k", 1500),
