@@ -120,7 +120,12 @@ def _find_in_hf_cache(repo_id: str, revision: str | None, searched: list[str]) -
 
 
 def _find_snapshot(snapshot: Path, searched: list[str], how: str) -> str | None:
+    """The model in a cached snapshot; one with a config.json but no weight file (what a config-only fetch leaves) is
+    no hit, so the download fills it in."""
     found, why = _model_in(snapshot)
+    if found is not None and Path(found).is_dir() and not any(
+            any(snapshot.glob(pattern)) for pattern in ("*.safetensors", "*.bin")):
+        found, why = None, "has a config.json but no weight files (an incomplete download)"
     if found is None:
         searched.append(f"{snapshot} (HF cache, {how}: {why})")
     return found

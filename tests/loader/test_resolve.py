@@ -42,7 +42,9 @@ def _hf_snapshot(cache: Path, repo_id: str, commit: str = COMMIT, ref: str | Non
     if ref is not None:
         (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
         (repo / "refs" / ref).write_text(commit)
-    return _model_dir(repo / "snapshots" / commit)
+    snapshot = _model_dir(repo / "snapshots" / commit)
+    (snapshot / "model.safetensors").write_bytes(b"")  # resolution looks for weight files, not into them
+    return snapshot
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -103,6 +105,17 @@ def test_hf_cache_explicit_revision(tmp_path, monkeypatch):
     assert resolve_model_path("org/name", revision=COMMIT) == str(main)  # commit hash, no ref file
     with pytest.raises(ModelNotFoundError, match="refs/v3"):
         resolve_model_path("org/name", revision="v3")
+
+
+def test_hf_snapshot_without_weights_does_not_count(tmp_path, monkeypatch):
+    """A snapshot an earlier AutoConfig call left (config.json only) is no hit: the download fills it in."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = _hf_snapshot(tmp_path / "hub", "org/name")
+    (snapshot / "model.safetensors").unlink()
+    with pytest.raises(ModelNotFoundError, match="has a config.json but no weight files"):
+        resolve_model_path("org/name")
+    (snapshot / "pytorch_model.bin").write_bytes(b"")
+    assert resolve_model_path("org/name") == str(snapshot)
 
 
 def test_hf_snapshot_without_config_or_gguf_does_not_count(tmp_path, monkeypatch):
@@ -245,3 +258,4 @@ def test_max_model_len_above_the_model_needs_vllms_switch(monkeypatch):
         _resolve_max_model_len(100000, config)
     monkeypatch.setenv(ALLOW_LONG_ENV, "1")
     assert _resolve_max_model_len(100000, config) == 100000
+
