@@ -258,4 +258,3 @@ def test_max_model_len_above_the_model_needs_vllms_switch(monkeypatch):
         _resolve_max_model_len(100000, config)
     monkeypatch.setenv(ALLOW_LONG_ENV, "1")
     assert _resolve_max_model_len(100000, config) == 100000
-
