@@ -1,10 +1,9 @@
 """Multimodal RoPE (Qwen3.5): partial rotary whose frequency slots take positions from 3 axes (T, H, W)."""
 
 import torch
-from torch import nn
 
 from ascendserve.layers import cpu_kernels
-from ascendserve.layers.rotary import rotary_tables, rotate_half
+from ascendserve.layers.rotary import RotaryTables, rotate_half
 
 
 def interleaved_axis_of_slots(num_slots: int, mrope_section: list[int]) -> torch.Tensor:
@@ -20,7 +19,7 @@ def interleaved_axis_of_slots(num_slots: int, mrope_section: list[int]) -> torch
     return axis
 
 
-class MRotaryEmbedding(nn.Module):
+class MRotaryEmbedding(RotaryTables):
     """Neox-style RoPE over the first `rotary_dim` channels, positions [3, T] (one row per axis).
 
     Text tokens carry the same position on all three rows, which reduces to plain 1-D RoPE; image
@@ -29,20 +28,9 @@ class MRotaryEmbedding(nn.Module):
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_position: int,
                  mrope_section: list[int]) -> None:
-        super().__init__()
-        self.rotary_dim = inv_freq.numel() * 2
-        self.inv_freq, self.attention_scaling = inv_freq, attention_scaling
-        cos, sin = rotary_tables(inv_freq, attention_scaling, max_position, duplicate=False)
-        self.register_buffer("cos_cache", cos, persistent=False)
-        self.register_buffer("sin_cache", sin, persistent=False)
+        super().__init__(inv_freq, attention_scaling, max_position, duplicate=False)
         axis = interleaved_axis_of_slots(inv_freq.numel(), mrope_section)
         self.register_buffer("axis_of_slot", axis, persistent=False)
-
-    def cover(self, num_positions: int) -> None:
-        """Grow the tables to at least `num_positions` positions."""
-        if num_positions > self.cos_cache.shape[0]:
-            cos, sin = rotary_tables(self.inv_freq, self.attention_scaling, num_positions, duplicate=False)
-            self.cos_cache, self.sin_cache = cos.to(self.cos_cache.device), sin.to(self.sin_cache.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate q [T, Hq, D] and k [T, Hk, D]; positions [3, T] (or [T] for text only)."""

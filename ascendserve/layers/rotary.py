@@ -48,21 +48,36 @@ def position_limit(config) -> int | None:
     return limit
 
 
-def rotary_tables(inv_freq: torch.Tensor, attention_scaling: float, num_positions: int,
-                  duplicate: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [num_positions, slots] of every position's angles (fp32, times the attention scaling); `duplicate`
-    repeats the slots (neox's rotate-half layout)."""
-    freqs = torch.arange(num_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
-    if duplicate:
-        freqs = torch.cat((freqs, freqs), dim=-1)
-    return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+class RotaryTables(nn.Module):
+    """cos / sin tables [positions, slots] of every position's angles (fp32, times the attention scaling), shared by
+    the rotary embeddings; `duplicate` repeats the slots (neox's rotate-half layout)."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_position: int, duplicate: bool) -> None:
+        super().__init__()
+        self.rotary_dim = inv_freq.numel() * 2
+        self.inv_freq, self.attention_scaling, self.duplicate = inv_freq, attention_scaling, duplicate
+        cos, sin = self._tables(max_position)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    def cover(self, num_positions: int) -> None:
+        """Grow the tables to at least `num_positions` positions."""
+        if num_positions > self.cos_cache.shape[0]:
+            cos, sin = self._tables(num_positions)
+            self.cos_cache, self.sin_cache = cos.to(self.cos_cache.device), sin.to(self.sin_cache.device)
+
+    def _tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.arange(num_positions, dtype=torch.float)[:, None] * self.inv_freq[None, :]
+        if self.duplicate:
+            freqs = torch.cat((freqs, freqs), dim=-1)
+        return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
 
 
 def cover_positions(model: nn.Module, num_positions: int) -> None:
     """Grow every rotary table of `model` to `num_positions` rows (a max_model_len beyond the config's own limit, as
     VLLM_ALLOW_LONG_MAX_MODEL_LEN allows)."""
     for module in model.modules():
-        if hasattr(module, "cover") and hasattr(module, "cos_cache"):
+        if isinstance(module, RotaryTables):
             module.cover(num_positions)
 
 
@@ -72,22 +87,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(RotaryTables):
     """Neox-style (rotate-half) RoPE over the first `rotary_dim` channels of each head."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_position: int) -> None:
-        super().__init__()
-        self.rotary_dim = inv_freq.numel() * 2
-        self.inv_freq, self.attention_scaling = inv_freq, attention_scaling
-        cos, sin = rotary_tables(inv_freq, attention_scaling, max_position, duplicate=True)
-        self.register_buffer("cos_cache", cos, persistent=False)
-        self.register_buffer("sin_cache", sin, persistent=False)
-
-    def cover(self, num_positions: int) -> None:
-        """Grow the tables to at least `num_positions` positions."""
-        if num_positions > self.cos_cache.shape[0]:
-            cos, sin = rotary_tables(self.inv_freq, self.attention_scaling, num_positions, duplicate=True)
-            self.cos_cache, self.sin_cache = cos.to(self.cos_cache.device), sin.to(self.sin_cache.device)
+        super().__init__(inv_freq, attention_scaling, max_position, duplicate=True)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate q [T, Hq, D] and k [T, Hk, D] by their token positions [T]."""
