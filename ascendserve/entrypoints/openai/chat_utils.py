@@ -16,9 +16,9 @@ _JINJA_MARKERS = ("{{", "{%")
 # more until the model ends its turn (one with parallel_tool_calls false), as vLLM's guided decoding gives.
 TOOL_CALL_OPENINGS = {
     "qwen3_coder": ("<tool_call>\n<function={name}>\n", "<tool_call>\n<function="),
-    "qwen3_xml": ("<tool_call>\n<function={name}>\n", "<tool_call>\n<function="),
     "hermes": ('<tool_call>\n{{"name": "{name}", "arguments": ', '<tool_call>\n{"name": "'),
 }
+TOOL_CALL_OPENINGS["qwen3_xml"] = TOOL_CALL_OPENINGS["qwen3_coder"]  # the same format, vLLM's other parser of it
 
 
 def forced_call_grammar(parser: str, tools: list[dict], name: str | None, repeat: bool = False) -> str:
@@ -30,11 +30,10 @@ def forced_call_grammar(parser: str, tools: list[dict], name: str | None, repeat
     `<parameter=NAME>` blocks of the schema's properties, strings as raw text (anything up to the block's end) or one
     of their enum, other types as JSON of their schema (_coder_value)."""
     schemas = {tool["name"]: {"type": "object", **(tool.get("parameters") or {})} for tool in tools}
-    for tool, schema in schemas.items():
-        call_name_text(parser, tool)
-        if parser != "hermes":
-            _check_coder_property_names(tool, schema)
     hermes = parser == "hermes"
+    if not hermes:
+        for tool, schema in schemas.items():
+            _check_coder_property_names(tool, schema)
     rules = []
 
     def arguments(i: int, tool: str) -> str:

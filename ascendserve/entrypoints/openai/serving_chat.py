@@ -270,12 +270,13 @@ class OpenAIServingChat(OpenAIServing):
                 choice.logprobs += c.logprobs or []
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
         result = []
+        echo = self._echo(request)
         for index, (choice, parser) in enumerate(zip(choices, parsers)):
             message = parser.parse(choice.text)
             names = [c.function.name for c in message.tool_calls]
             self._check_forced_call(request, parser, names, choice.finish_reason)
-            if self._echo(request):
-                message.content = self._echo(request) + (message.content or "")
+            if echo:
+                message.content = echo + (message.content or "")
             finish = _finish_reason(choice.finish_reason, bool(message.tool_calls))
             logprobs = self._logprobs(request, choice.token_ids, choice.logprobs)
             result.append(ChatCompletionResponseChoice(index=index, message=message, logprobs=logprobs,
@@ -304,9 +305,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         n = len(parsers)
         num_tokens = [0] * n
-        include_usage = self.options.enable_force_include_usage or bool(
-            request.stream_options and request.stream_options.include_usage)
-        continuous = bool(include_usage and request.stream_options and request.stream_options.continuous_usage_stats)
+        include_usage, continuous = self.stream_usage(request)
 
         def chunk(index, delta, logprobs=None, finish=None, stop_reason=None):
             out = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[

@@ -95,9 +95,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request, model, base_id, prompts, streams, n):
         created = int(time.time())
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
-        include_usage = self.options.enable_force_include_usage or bool(
-            request.stream_options and request.stream_options.include_usage)
-        continuous = bool(include_usage and request.stream_options and request.stream_options.continuous_usage_stats)
+        include_usage, continuous = self.stream_usage(request)
         try:
             async for i, output in merge_async_iterators(*streams):
                 for c in output.outputs:

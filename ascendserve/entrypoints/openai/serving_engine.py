@@ -95,6 +95,13 @@ class OpenAIServing:
                               f"(--max-waiting-requests {limit}); retry later.", 503,
                               headers={"Retry-After": str(RETRY_AFTER_S)})
 
+    def stream_usage(self, request) -> tuple[bool, bool]:
+        """(a usage chunk ends the stream, every chunk carries usage): stream_options, or --enable-force-include-usage
+        for the first."""
+        options = request.stream_options
+        include = self.options.enable_force_include_usage or bool(options and options.include_usage)
+        return include, bool(include and options and options.continuous_usage_stats)
+
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of a text prompt; a long one is tokenized off the event loop (OFF_LOOP_TOKENIZE_CHARS)."""
         global _tokenizer_pool
