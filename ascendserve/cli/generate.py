@@ -1,6 +1,7 @@
 """`ascendserve generate PROMPT...`: run prompts through the engine and print the answers."""
 
 import argparse
+import sys
 
 from ascendserve.cli.engine_flags import add_engine_flags, engine_args_from, positive_int
 
@@ -19,13 +20,17 @@ def register(sub) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    """Build the engine, generate, print one answer per prompt."""
+    """Check the sampling flags, build the engine, generate, print one answer per prompt."""
     from ascendserve.entrypoints.llm import LLM
     from ascendserve.engine.sampling_params import SamplingParams
 
+    try:  # before the model loads, so a bad flag costs nothing
+        params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p)
+    except ValueError as e:
+        print(f"ascendserve generate: error: {e}", file=sys.stderr)
+        return 2
     args = engine_args_from(ns)
     llm = LLM(**vars(args))
-    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p)
     tokenizer = llm.get_tokenizer()
     if ns.raw or tokenizer is None or not getattr(tokenizer, "chat_template", None):
         outputs = llm.generate(ns.prompts, params, use_tqdm=False)

@@ -10,7 +10,7 @@ from ascendserve.bench.datasets import SampleRequest
 from ascendserve.bench.latency import IterationTiming, latency_summary, run_batch, run_latency
 from ascendserve.bench.serve import ServeConfig, arrivals, request_body, send_request
 from ascendserve.bench.throughput import workload
-from ascendserve.cli.main import build_parser
+from ascendserve.cli.main import build_parser, main
 
 
 def _sse(*payloads) -> bytes:
@@ -219,3 +219,17 @@ def test_bad_cli_values_are_argparse_errors_naming_the_flag(argv, message, capsy
         build_parser().parse_args(argv)
     assert info.value.code == 2 and message in capsys.readouterr().err
     assert build_parser().parse_args(["bench", "serve", "--request-rate", "inf"]).request_rate == float("inf")
+
+
+@pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be a finite number >= 0"),
+                                            (["--top-p", "0"], "top_p must be in (0, 1]")])
+def test_generate_checks_sampling_flags_before_loading_the_model(flags, message, capsys, monkeypatch):
+    """A bad --temperature used to surface only after the model had loaded (seconds to minutes), as a traceback."""
+    import ascendserve.entrypoints.llm as llm_module
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the sampling flags were checked")
+
+    monkeypatch.setattr(llm_module, "LLM", no_model)
+    assert main(["generate", "x", *flags]) == 2
+    assert f"ascendserve generate: error: {message}" in capsys.readouterr().err
