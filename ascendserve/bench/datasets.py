@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ascendserve.logger import init_logger
+
+logger = init_logger(__name__)
+
 
 @dataclass
 class SampleRequest:
@@ -178,12 +182,13 @@ def _turns(entry) -> list[str]:
 
 
 def sharegpt_requests(path: str, codec, num_prompts: int, output_len: int | None = None,
-                      seed: int = 0) -> list[SampleRequest]:
+                      seed: int = 0, oversample: bool = True) -> list[SampleRequest]:
     """The first human/assistant turn pair of ShareGPT entries read from a local JSON file.
 
     Entries are shuffled with `seed`; the assistant reply's length is the output length unless
     `output_len` fixes it. vLLM's filter applies: prompt and reply at least 4 tokens, prompt at most
-    1024 and both together at most 2048.
+    1024 and both together at most 2048. Fewer usable entries than `num_prompts` are drawn again at
+    random to make up the number, as vLLM does, unless `oversample` is off (then it is an error).
     """
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
@@ -191,7 +196,8 @@ def sharegpt_requests(path: str, codec, num_prompts: int, output_len: int | None
         raise ValueError(f"{path}: a ShareGPT file is a JSON list of {{'conversations': [...]}} entries")
     entries = [turns[:2] for turns in map(_turns, data)
                if len(turns) >= 2 and all(isinstance(t, str) for t in turns[:2])]
-    np.random.default_rng(seed).shuffle(entries)
+    rng = np.random.default_rng(seed)
+    rng.shuffle(entries)
     requests = []
     for prompt, reply in entries:
         if len(requests) == num_prompts:
@@ -203,6 +209,11 @@ def sharegpt_requests(path: str, codec, num_prompts: int, output_len: int | None
         if prompt_len > 1024 or prompt_len + reply_len > 2048:
             continue
         requests.append(SampleRequest(prompt, prompt_len, reply_len))
+    if len(requests) < num_prompts and (not requests or not oversample):
+        raise ValueError(f"{path}: only {len(requests)} usable conversations for --num-prompts {num_prompts}"
+                         + ("" if requests else " (prompt and reply of 4+ tokens, at most 1024 + 2048 together)"))
     if len(requests) < num_prompts:
-        raise ValueError(f"{path}: only {len(requests)} usable conversations for --num-prompts {num_prompts}")
+        logger.warning("%s: %d usable conversations; %d drawn again to make --num-prompts %d", path,
+                       len(requests), num_prompts - len(requests), num_prompts)
+        requests += [requests[i] for i in rng.integers(len(requests), size=num_prompts - len(requests))]
     return requests

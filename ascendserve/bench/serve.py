@@ -192,5 +192,6 @@ def sample_requests(ns, codec, seed: int) -> list[SampleRequest]:
     if name in ("sharegpt", "sharegpt_json"):
         if not ns.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path FILE.json (it is never downloaded)")
-        return datasets.sharegpt_requests(ns.dataset_path, codec, ns.num_prompts, ns.sharegpt_output_len, seed)
+        return datasets.sharegpt_requests(ns.dataset_path, codec, ns.num_prompts, ns.sharegpt_output_len, seed,
+                                          oversample=not ns.no_oversample)
     raise ValueError(f"unknown --dataset-name {ns.dataset_name!r}")

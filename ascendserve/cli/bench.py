@@ -47,6 +47,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", "--prefix-repetition-prefix-len", dest="prefix_len", type=int, default=256)
     p.add_argument("--num-prefixes", "--prefix-repetition-num-prefixes", dest="num_prefixes", type=int, default=10)
     p.add_argument("--sharegpt-output-len", type=int, default=None)
+    p.add_argument("--no-oversample", action="store_true",
+                   help="a dataset with fewer usable entries than --num-prompts is an error, not drawn again")
     p.add_argument("--request-rate", type=positive_float, default=float("inf"),
                    help="requests/s (inf: all at once)")
     p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")

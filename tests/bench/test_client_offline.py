@@ -194,6 +194,7 @@ def test_cli_flags_parse():
                                     "--num-prefixes", "2", "--sweep-concurrency", "1,4", "--request-rate", "2"])
     assert (ns.dataset_name, ns.prefix_len, ns.num_prefixes, ns.request_rate) == ("prefix-repetition", 8, 2, 2.0)
     assert build_parser().parse_args(["bench", "serve", "--extra-body", '{"a": [1]}']).extra_body == {"a": [1]}
+    assert build_parser().parse_args(["bench", "serve", "--no-oversample"]).no_oversample
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "serve", "--extra-body", "[1]"])
     ns = build_parser().parse_args(["bench", "throughput", "--min-len", "32", "--max-len", "256",

@@ -70,5 +70,11 @@ def test_sharegpt_reader(tmp_path):
     assert sorted((r.prompt_len, r.expected_output_len) for r in requests) == [(5, 4), (5, 6), (10, 12)]
     fixed = sharegpt_requests(str(path), WordCodec(), num_prompts=4, output_len=2, seed=0)
     assert {r.expected_output_len for r in fixed} == {2} and len(fixed) == 4
+    # Fewer usable entries than asked are drawn again (vLLM's oversampling); they used to be an error.
+    more = sharegpt_requests(str(path), WordCodec(), num_prompts=7, seed=0)
+    assert len(more) == 7 and {(r.prompt_len, r.expected_output_len) for r in more} == {(5, 4), (5, 6), (10, 12)}
     with pytest.raises(ValueError, match="only 3 usable"):
-        sharegpt_requests(str(path), WordCodec(), num_prompts=5)
+        sharegpt_requests(str(path), WordCodec(), num_prompts=5, oversample=False)
+    path.write_text(json.dumps([conv(1, 1)]))
+    with pytest.raises(ValueError, match="only 0 usable"):
+        sharegpt_requests(str(path), WordCodec(), num_prompts=1)
