@@ -24,8 +24,12 @@ def format_report(m: BenchmarkMetrics, max_concurrency: int | None = None,
     lines += [_line("Benchmark duration (s):", m.duration, ".2f"),
               _line("Total input tokens:", m.total_input),
               _line("Total generated tokens:", m.total_output),
-              _line("Request throughput (req/s):", m.request_throughput, ".2f"),
-              _line("Output token throughput (tok/s):", m.output_throughput, ".2f"),
+              _line("Request throughput (req/s):", m.request_throughput, ".2f")]
+    if m.request_goodput is not None:
+        lines.append(_line("Request goodput (req/s):", m.request_goodput, ".2f"))
+    lines += [_line("Output token throughput (tok/s):", m.output_throughput, ".2f"),
+              _line("Peak output token throughput (tok/s):", m.max_output_tokens_per_s, ".2f"),
+              _line("Peak concurrent requests:", m.max_concurrent_requests, ".2f"),
               _line("Total Token throughput (tok/s):", m.total_token_throughput, ".2f")]
     for key, name, header in METRIC_BLOCKS:
         if key not in metrics:
@@ -53,7 +57,9 @@ def result_json(m: BenchmarkMetrics, outputs: list[RequestFuncOutput], *, model_
         "burstiness": burstiness, "max_concurrency": max_concurrency, "duration": m.duration,
         "completed": m.completed, "failed": m.failed, "total_input_tokens": m.total_input,
         "total_output_tokens": m.total_output, "request_throughput": m.request_throughput,
-        "output_throughput": m.output_throughput, "total_token_throughput": m.total_token_throughput,
+        "request_goodput": m.request_goodput, "output_throughput": m.output_throughput,
+        "max_output_tokens_per_s": m.max_output_tokens_per_s, "max_concurrent_requests": m.max_concurrent_requests,
+        "total_token_throughput": m.total_token_throughput,
     }
     result.update(m.flat())
     result.update({

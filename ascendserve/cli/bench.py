@@ -62,6 +62,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                         "'{\"min_tokens\": 128}'")
     p.add_argument("--percentile-metrics", type=_percentile_metrics, default="ttft,tpot,itl,e2el")
     p.add_argument("--metric-percentiles", type=_percentiles, default="99")
+    p.add_argument("--goodput", nargs="+", type=_slo, default=None, metavar="KEY:MS",
+                   help="SLOs for the request goodput, e.g. ttft:500 tpot:50 (keys ttft, tpot, e2el; milliseconds)")
     p.add_argument("--save-result", action="store_true")
     p.add_argument("--result-dir", default=None)
     p.add_argument("--result-filename", default=None)
@@ -87,6 +89,20 @@ def _percentile_metrics(value: str) -> str:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown metric {unknown}; choose from ttft,tpot,itl,e2el")
     return value
+
+
+def _slo(value: str) -> tuple[str, float]:
+    """argparse type of one --goodput item: KEY:MS with KEY in ttft, tpot, e2el and MS >= 0."""
+    key, _, number = value.partition(":")
+    if key not in ("ttft", "tpot", "e2el"):
+        raise argparse.ArgumentTypeError(f"KEY:MS with KEY one of ttft, tpot, e2el is needed, got {value!r}")
+    try:
+        ms = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of milliseconds after {key}: is needed, got {value!r}") from None
+    if not ms >= 0:
+        raise argparse.ArgumentTypeError(f"an SLO must be >= 0 ms, got {value!r}")
+    return key, ms
 
 
 def _percentiles(value: str) -> str:
@@ -199,7 +215,7 @@ def run_serve(ns) -> int:
         cfg = _serve_config(ns, level)
         print(f"Traffic request rate: {ns.request_rate}\nMaximum request concurrency: {level}", flush=True)
         outputs, duration = asyncio.run(run_requests(cfg, requests))
-        metrics = calculate_metrics(outputs, duration, percentiles)
+        metrics = calculate_metrics(outputs, duration, percentiles, dict(ns.goodput) if ns.goodput else None)
         print(format_report(metrics, level, ns.request_rate, percentiles, shown), flush=True)
         result = result_json(metrics, outputs, model_id=ns.model, endpoint=ns.endpoint, base_url=ns.base_url,
                              num_prompts=len(requests), request_rate=ns.request_rate, max_concurrency=level,

@@ -195,6 +195,8 @@ def test_cli_flags_parse():
     assert (ns.dataset_name, ns.prefix_len, ns.num_prefixes, ns.request_rate) == ("prefix-repetition", 8, 2, 2.0)
     assert build_parser().parse_args(["bench", "serve", "--extra-body", '{"a": [1]}']).extra_body == {"a": [1]}
     assert build_parser().parse_args(["bench", "serve", "--no-oversample"]).no_oversample
+    ns = build_parser().parse_args(["bench", "serve", "--goodput", "ttft:500", "tpot:50.5"])
+    assert dict(ns.goodput) == {"ttft": 500.0, "tpot": 50.5}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "serve", "--extra-body", "[1]"])
     ns = build_parser().parse_args(["bench", "throughput", "--min-len", "32", "--max-len", "256",
@@ -213,6 +215,9 @@ def test_cli_flags_parse():
     (["bench", "serve", "--metric-percentiles", "50,abc"], "--metric-percentiles: comma-separated numbers"),
     (["bench", "throughput", "--output-len", "0"], "--output-len: must be at least 1"),
     (["generate", "x", "--max-tokens", "0"], "--max-tokens: must be at least 1"),
+    (["bench", "serve", "--goodput", "itl:5"], "--goodput: KEY:MS with KEY one of ttft, tpot, e2el"),
+    (["bench", "serve", "--goodput", "ttft:fast"], "--goodput: a number of milliseconds after ttft:"),
+    (["bench", "serve", "--goodput", "ttft:-1"], "--goodput: an SLO must be >= 0 ms"),
 ])
 def test_bad_cli_values_are_argparse_errors_naming_the_flag(argv, message, capsys):
     """Values that ran as 'unlimited', printed an all-zero report or ended in a traceback (numpy's 'scale < 0')."""

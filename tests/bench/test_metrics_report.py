@@ -47,6 +47,23 @@ def test_metrics_exact(outputs):
     assert m.flat()["median_tpot_ms"] == pytest.approx(162.5)
 
 
+def test_peaks_and_goodput(outputs):
+    """vLLM's peak tokens/s and requests in flight (per whole second) and the goodput under SLOs in ms."""
+    m = calculate_metrics(outputs, duration=2.0)
+    assert (m.max_output_tokens_per_s, m.max_concurrent_requests, m.request_goodput) == (7, 3, None)
+    late = _request(1.5, [1.6, 2.2, 2.7], prompt_len=5)  # in flight in seconds 1 and 2; its chunks in 1, 2, 2
+    m = calculate_metrics([*outputs, late], duration=3.0)
+    assert (m.max_output_tokens_per_s, m.max_concurrent_requests) == (7, 3)
+    # Seconds count from the first start (1.5): chunks in seconds 0, 0, 1 and 0, 1; both in flight in 0 and 1.
+    m = calculate_metrics([late, _request(1.9, [2.1, 2.6], prompt_len=5)], duration=3.0)
+    assert (m.max_output_tokens_per_s, m.max_concurrent_requests) == (3, 2)
+    # ttft ms: 100, 200, 400; tpot ms: 250, 75, 0 (one token); e2el ms: 600, 500, 400
+    assert calculate_metrics(outputs, 2.0, goodput={"ttft": 200}).request_goodput == pytest.approx(1.0)
+    assert calculate_metrics(outputs, 2.0, goodput={"ttft": 400, "tpot": 100}).request_goodput == pytest.approx(1.0)
+    assert calculate_metrics(outputs, 2.0, goodput={"e2el": 1000}).request_goodput == pytest.approx(1.5)
+    assert calculate_metrics(outputs, 2.0, goodput={"tpot": 10}).request_goodput == pytest.approx(0.5)
+
+
 def test_no_success_gives_zero_stats():
     m = calculate_metrics([RequestFuncOutput(error="boom")], duration=1.0)
     assert (m.completed, m.failed, m.stats["ttft"]["mean"], m.stats["e2el"]["p99"]) == (0, 1, 0.0, 0.0)
@@ -66,6 +83,11 @@ def test_report_layout(outputs):
     assert "Request throughput (req/s):              1.50      " in lines
     assert "Output token throughput (tok/s):         4.50      " in lines
     assert "Total Token throughput (tok/s):          34.50     " in lines
+    assert "Peak output token throughput (tok/s):    7.00      " in lines
+    assert "Peak concurrent requests:                3.00      " in lines
+    assert "Request goodput" not in text
+    assert "Request goodput (req/s):                 1.00      " in format_report(
+        calculate_metrics(outputs, 2.0, goodput={"ttft": 200})).splitlines()
     assert "---------------Time to First Token----------------" in lines
     assert "-----Time per Output Token (excl. 1st token)------" in lines
     assert "Mean TPOT (ms):                          162.50    " in lines
@@ -84,6 +106,7 @@ def test_result_json_and_file(outputs, tmp_path):
                 "completed", "total_input_tokens", "total_output_tokens", "request_throughput",
                 "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
                 "mean_tpot_ms", "p99_itl_ms", "median_e2el_ms", "std_e2el_ms", "ttfts", "itls", "input_lens",
+                "request_goodput", "max_output_tokens_per_s", "max_concurrent_requests",
                 "output_lens", "generated_texts", "errors"):
         assert key in result, key
     assert result["backend"] == "openai" and result["request_rate"] == "inf"
