@@ -111,6 +111,8 @@ class LLMEngine:
         children = [Request(f"{i}_{request_id}" if params.n > 1 else request_id, token_ids,
                             _child_params(params, i), self.eos_token_ids, max_tokens, arrival_time, text)
                     for i in range(params.n)]
+        if params.prompt_logprobs is not None:  # computed once, by the first child
+            children[0].prompt_logprobs = [None] * len(token_ids)
         if params.structured_outputs is not None:
             grammars = self.grammar_compiler.compile(params.structured_outputs, params.n,
                                                      params.structured_outputs_wait_for)
@@ -159,6 +161,7 @@ class LLMEngine:
             result = self.runner.execute_model(sched)
         else:
             result = self._model_thread.submit(self.runner.execute_model, sched).result()
+        _record_prompt_logprobs(sched, result)
         updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)
         return self._process(updates, result)
 
@@ -187,6 +190,7 @@ class LLMEngine:
         updates, result = [], None
         if done is not None:
             result = done[1].result()
+            _record_prompt_logprobs(done[0], result)
             updates = self.scheduler.update_from_output(done[0], result.sampled_token_ids)
         if prepared is not None:
             sched.fill_placeholders()
@@ -198,6 +202,15 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+
+def _record_prompt_logprobs(sched: SchedulerOutput, result) -> None:
+    """Store a step's prompt logprobs on their requests (before the step's tokens, so that a request's first output
+    finds them all)."""
+    if result.prompt_logprobs:
+        requests = {s.request_id: s.request for s in sched.scheduled}
+        for request_id, (first, rows) in result.prompt_logprobs.items():
+            requests[request_id].record_prompt_logprobs(first, rows)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -44,4 +44,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
-    prompt_logprobs: None = None  # vLLM's field; this engine computes no prompt logprobs (a request asking is refused)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None, each the token's Logprob and its
+    # top tokens' (as the sampled logprobs); a DELTA stream carries them in its first output
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -73,6 +73,11 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.grammar = None  # structured outputs: a GrammarState that consumes every generated token
         self.finished_by_grammar = False  # stopped because the grammar ended (not by an EOS / stop token)
+        # prompt_logprobs: one row (a LogprobsRow) per prompt token, entry 0 (the first token, which nothing
+        # predicts) always None; the prefill chunks fill entries 1, 2, ... in order. None when not asked for, and on
+        # every child of an `n` request but the first (they share the prompt).
+        self.prompt_logprobs: list | None = None
+        self.num_prompt_logprobs = 0  # entries 1..num_prompt_logprobs are filled
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +93,17 @@ class Request:
     def num_output_tokens(self) -> int:
         """Tokens generated so far."""
         return len(self.output_token_ids)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Whether prompt logprobs are asked for and some are still to compute (the prefix cache is then skipped:
+        a cached block's positions would have no logits)."""
+        return self.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+
+    def record_prompt_logprobs(self, first: int, rows: list) -> None:
+        """Store the rows of prompt entries first, first + 1, ... (a preempted prefill may compute some twice)."""
+        self.prompt_logprobs[first:first + len(rows)] = rows
+        self.num_prompt_logprobs = max(self.num_prompt_logprobs, first + len(rows) - 1)
 
     def append_output_token(self, token_id: int) -> None:
         """Record one sampled token."""

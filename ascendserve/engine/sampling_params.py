@@ -151,14 +151,12 @@ class SamplingParams:
                              f"max_tokens={self.max_tokens}, got {self.min_tokens}.")
 
     def _verify_outputs(self) -> None:
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if self.logprobs < -1:
-                raise ValueError(f"logprobs must be non-negative or -1 (whole vocabulary), "
-                                 f"got {self.logprobs}.")
-        if self.prompt_logprobs is not None:
-            raise ValueError(f"prompt_logprobs is not supported yet; it must be None, "
-                             f"got {self.prompt_logprobs}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if value < -1:
+                    raise ValueError(f"{name} must be non-negative or -1 (whole vocabulary), got {value}.")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id)
         if any(not s for s in self.stop):
@@ -182,8 +180,8 @@ class SamplingParams:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 
     def validate_against(self, vocab_size: int, max_logprobs: int = -1) -> None:
-        """Raise ValueError if a token id field or logprobs exceeds a `vocab_size` vocabulary, or logprobs (-1: the
-        whole vocabulary) asks for more than `max_logprobs` (-1: no cap)."""
+        """Raise ValueError if a token id field, logprobs or prompt_logprobs exceeds a `vocab_size` vocabulary, or
+        logprobs / prompt_logprobs (-1: the whole vocabulary) asks for more than `max_logprobs` (-1: no cap)."""
         fields = {
             "logit_bias": list(self.logit_bias or ()),
             "allowed_token_ids": self.allowed_token_ids or [],
@@ -194,13 +192,14 @@ class SamplingParams:
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary "
                                  f"[0, {vocab_size - 1}]: {bad[:10]}.")
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            raise ValueError(f"logprobs must be at most the vocabulary size {vocab_size}, "
-                             f"got {self.logprobs}.")
-        requested = vocab_size if self.logprobs == -1 else self.logprobs
-        if requested is not None and max_logprobs != -1 and requested > max_logprobs:
-            raise ValueError(f"logprobs: requested {requested} logprobs per token, but at most {max_logprobs} are "
-                             f"allowed (max_logprobs; -1 lifts the cap).")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab_size}, got {value}.")
+            requested = vocab_size if value == -1 else value
+            if requested is not None and max_logprobs != -1 and requested > max_logprobs:
+                raise ValueError(f"{name}: requested {requested} logprobs per token, but at most {max_logprobs} "
+                                 f"are allowed (max_logprobs; -1 lifts the cap).")
 
     @cached_property
     def sampling_type(self) -> SamplingType:

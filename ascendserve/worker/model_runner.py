@@ -1,6 +1,6 @@
 """Turns a SchedulerOutput into tensors, runs the model, samples one token per finishing request."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
@@ -12,9 +12,13 @@ from ascendserve.layers.attention import build_attention_metadata
 from ascendserve.logger import init_logger
 from ascendserve.platforms.cpu import advise_huge_pages
 from ascendserve.worker.decode_graphs import DecodeGraphs, capture_sizes, decode_graphs_wanted
-from ascendserve.worker.sampler import LogprobsRow, Sampler, SamplingRow, plain_greedy_without_logprobs
+from ascendserve.worker.sampler import (LogprobsRow, Sampler, SamplingRow, plain_greedy_without_logprobs,
+                                        token_logprobs)
 
 logger = init_logger(__name__)
+
+# Prompt logprobs take the logits of this many prompt positions at a time (Qwen3.5's 248k vocabulary: ~250 MB fp32)
+PROMPT_LOGITS_ROWS = 256
 
 
 @dataclass
@@ -23,6 +27,8 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, LogprobsRow]
+    # request id -> (its first prompt entry computed this step, the rows of that entry and the next ones)
+    prompt_logprobs: dict[str, tuple[int, list[LogprobsRow]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -36,6 +42,19 @@ class PreparedStep:
     logits_rows: list[int]
     sampling: list[tuple[str, SamplingRow]]  # (request id, its sampling row) per row to sample
     graph_plan: tuple | None = None  # DecodeGraphs.plan's (context lengths, bucket) for a step a graph takes
+    prompt_rows: list["PromptRows"] = field(default_factory=list)
+
+
+@dataclass
+class PromptRows:
+    """The step's rows whose logits give one request's prompt logprobs: rows first_row.. predict prompt entries
+    first_entry.. (the prompt tokens `token_ids`), with `num_top` top tokens each (-1: whole vocabulary)."""
+
+    request_id: str
+    first_entry: int
+    first_row: int
+    token_ids: list[int]
+    num_top: int
 
 
 @dataclass
@@ -149,14 +168,22 @@ class ModelRunner:
                                                   [s.state_slot for s in sched.scheduled], self.device)
             positions = torch.from_numpy(flat).to(self.device)
         ends = np.cumsum(query_lens) - 1
-        logits_rows, sampling = [], []
+        logits_rows, sampling, prompt_rows = [], [], []
         for s, end in zip(sched.scheduled, ends.tolist()):
+            req = s.request
+            if req.prompt_logprobs is not None:
+                # position p's logits predict prompt entry p + 1; skip the entries already computed
+                lo = max(s.start_pos, req.num_prompt_logprobs)
+                hi = min(s.start_pos + s.num_tokens, req.num_prompt_tokens - 1)
+                if lo < hi:
+                    first_row = end + 1 - s.num_tokens + lo - s.start_pos
+                    prompt_rows.append(PromptRows(s.request_id, lo + 1, first_row, req.prompt_token_ids[lo + 1:hi + 1],
+                                                  req.sampling_params.prompt_logprobs))
             if s.sample:
                 logits_rows.append(end)
-                req = s.request
                 sampling.append((s.request_id, SamplingRow(
                     req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids, req.grammar)))
-        return PreparedStep(sched, positions, meta, state_meta, logits_rows, sampling, graph_plan)
+        return PreparedStep(sched, positions, meta, state_meta, logits_rows, sampling, graph_plan, prompt_rows)
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> ModelRunnerOutput:
@@ -171,16 +198,27 @@ class ModelRunner:
             else:
                 hidden = self.model(input_ids, step.positions, self.kv_caches, step.attn_meta,
                                     self.state_caches, step.state_meta)
+        prompt_logprobs = {p.request_id: (p.first_entry, self._prompt_logprobs(hidden, p)) for p in step.prompt_rows}
         if not step.logits_rows:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput({}, {}, prompt_logprobs)
         hidden, rows = hidden[step.logits_rows], [row for _, row in step.sampling]
         ids = [req_id for req_id, _ in step.sampling]
         if (tokens := self._fused_greedy(hidden, rows)) is not None:
-            return ModelRunnerOutput(dict(zip(ids, tokens.tolist())), {})
+            return ModelRunnerOutput(dict(zip(ids, tokens.tolist())), {}, prompt_logprobs)
         logits = self.model.compute_logits(hidden)
         out = self.sampler(logits, rows)
         logprobs = {i: lp for i, lp in zip(ids, out.logprobs) if lp is not None}
-        return ModelRunnerOutput(dict(zip(ids, out.sampled_token_ids)), logprobs)
+        return ModelRunnerOutput(dict(zip(ids, out.sampled_token_ids)), logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, p: PromptRows) -> list[LogprobsRow]:
+        """One request's prompt logprobs of this step, from the logits of PROMPT_LOGITS_ROWS positions at a time."""
+        out = []
+        for lo in range(0, len(p.token_ids), PROMPT_LOGITS_ROWS):
+            targets = p.token_ids[lo:lo + PROMPT_LOGITS_ROWS]
+            rows = hidden[p.first_row + lo:p.first_row + lo + len(targets)]
+            logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+            out += token_logprobs(logprobs, targets, [p.num_top] * len(targets))
+        return out
 
     def _fused_greedy(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
         """The rows' greedy tokens from the lm_head's fused argmax (Bf16Linear.argmax), where the model's logits are its

@@ -292,21 +292,26 @@ def _gather_logprobs(raw: tuple[list[int], torch.Tensor] | None, sampled: list[i
     if raw is None:
         return out
     wanted, logprobs = raw
+    gathered = token_logprobs(logprobs, [sampled[i] for i in wanted], [rows[i].params.logprobs for i in wanted])
+    for i, row in zip(wanted, gathered):
+        out[i] = row
+    return out
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], requested: list[int]) -> list[LogprobsRow]:
+    """Each row's LogprobsRow from `logprobs` [rows, vocab] (log-softmaxed, fp32): the logprob and rank of its token
+    in `token_ids` (the sampled one, or the prompt's next token), then its top `requested` (-1: whole vocabulary)."""
     vocab_size = logprobs.shape[1]
-    ks = [_num_logprobs(rows[i].params.logprobs, vocab_size) for i in wanted]
-    sampled_ids = _index([sampled[i] for i in wanted], logprobs.device).unsqueeze(1)
-    sampled_logprobs = logprobs.gather(1, sampled_ids)
-    # vLLM's rank: how many tokens have a logprob >= the sampled one's (ties take the worse rank).
-    ranks = (logprobs >= sampled_logprobs).sum(dim=-1).tolist()
+    ks = [_num_logprobs(k, vocab_size) for k in requested]
+    ids = _index(token_ids, logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, ids)
+    # vLLM's rank: how many tokens have a logprob >= the chosen one's (ties take the worse rank).
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
     top_values, top_ids = logprobs.topk(max(ks), dim=-1)
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    sampled_logprobs = sampled_logprobs.squeeze(1).tolist()
-    for j, i in enumerate(wanted):
-        k = ks[j]
-        out[i] = LogprobsRow(token_ids=[sampled[i]] + top_ids[j][:k],
-                             logprobs=[sampled_logprobs[j]] + top_values[j][:k],
-                             ranks=[ranks[j]] + list(range(1, k + 1)))
-    return out
+    chosen = chosen.squeeze(1).tolist()
+    return [LogprobsRow(token_ids=[token_ids[j]] + top_ids[j][:k], logprobs=[chosen[j]] + top_values[j][:k],
+                        ranks=[ranks[j]] + list(range(1, k + 1))) for j, k in enumerate(ks)]
 
 
 def _num_logprobs(requested: int, vocab_size: int) -> int:

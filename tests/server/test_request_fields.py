@@ -1,5 +1,5 @@
-"""vLLM's request extensions against the real server: truncate_prompt_tokens, best_of, prompt_logprobs, and
-completions' echo + logprobs offsets (streamed and not)."""
+"""vLLM's request extensions against the real server: truncate_prompt_tokens, best_of, prompt_logprobs (and
+completions' echo + logprobs, which returns the prompt's), and echo + logprobs offsets (streamed and not)."""
 
 import json
 
@@ -76,43 +76,89 @@ def test_truncate_prompt_tokens_is_a_known_field(http, server):
     assert "ignored: ['truncate_prompt_tokens']" not in server.read_log()
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "x"}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-])
-def test_truncate_prompt_tokens_bad_values(http, path, body):
-    for k in (0, -2):
-        check_error(http.post(path, json={**body, "truncate_prompt_tokens": k}), 400,
-                    param="truncate_prompt_tokens", contains=("truncate_prompt_tokens must be >= 1", f"got {k}"))
-    check_error(http.post(path, json={**body, "truncate_prompt_tokens": MAX_MODEL_LEN + 1}), 400,
-                param="truncate_prompt_tokens", contains=(str(MAX_MODEL_LEN + 1), f"({MAX_MODEL_LEN})"))
+PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
-# -- best_of, prompt_logprobs ---------------------------------------------------------------------------
-
-def test_best_of_equal_to_n_is_accepted(http):
-    assert len(_complete(http, prompt="x", best_of=1, max_tokens=1)["choices"]) == 1
-    out = _complete(http, prompt="x", best_of=2, n=2, temperature=1.0, max_tokens=1)
-    assert len(out["choices"]) == 2
+def _prompt_ids(http, prompt: str = PROMPT) -> list[int]:
+    return http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
 
 
-@pytest.mark.parametrize("body", [{"best_of": 2}, {"best_of": 3, "n": 2, "temperature": 1.0}, {"best_of": 0}])
-def test_best_of_other_than_n_is_refused(http, body):
-    check_error(http.post("/v1/completions", json={"prompt": "x", **body}), 400, param="best_of",
-                contains=("best_of is not supported", "use n"))
+def test_echo_with_logprobs_returns_the_prompt_tokens_logprobs(http):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1, a list of prompts): the logprobs lists start
+    with every prompt token, the first with null logprobs; each choice also carries vLLM's prompt_logprobs."""
+    out = _complete(http, prompt=[PROMPT, "tokens"], echo=True, logprobs=1, max_tokens=1)
+    for choice, prompt in zip(out["choices"], [PROMPT, "tokens"]):
+        ids = _prompt_ids(http, prompt)
+        lp, entries = choice["logprobs"], choice["prompt_logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 1 and len(entries) == len(ids) and entries[0] is None
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+        assert "".join(lp["tokens"][:len(ids)]) == prompt
+        for j in range(1, len(ids)):
+            entry = entries[j][str(ids[j])]
+            assert lp["token_logprobs"][j] == pytest.approx(entry["logprob"]) and entry["logprob"] <= 0
+            assert entry["decoded_token"] == lp["tokens"][j] and entry["rank"] >= 1
+            assert len(entries[j]) <= 2 and len(lp["top_logprobs"][j]) <= 2
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "x"}),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-])
-def test_prompt_logprobs_is_refused(http, path, body):
-    for value in (0, 1, 5):
-        check_error(http.post(path, json={**body, "prompt_logprobs": value}), 400, param="prompt_logprobs",
-                    contains=("prompt_logprobs is not supported by this server",))
-    r = http.post(path, json={**body, "prompt_logprobs": None, "max_tokens": 1})
+def test_prompt_logprobs_equal_the_logprob_of_generating_that_token(http):
+    """Prompt token j's logprob is the one the model gives it after tokens 0..j-1: generating from that prefix with
+    only that token allowed samples it with the same (raw) logprob."""
+    ids = _prompt_ids(http)
+    entries = _complete(http, prompt=ids, prompt_logprobs=0, max_tokens=1)["choices"][0]["prompt_logprobs"]
+    assert all(list(entries[j]) == [str(ids[j])] for j in range(1, len(ids)))
+    for j in (1, len(ids) // 2, len(ids) - 1):
+        step = _complete(http, prompt=ids[:j], max_tokens=1, logprobs=0, allowed_token_ids=[ids[j]])["choices"][0]
+        assert step["logprobs"]["token_logprobs"][0] == pytest.approx(entries[j][str(ids[j])]["logprob"], abs=2e-3)
+
+
+def test_echo_without_generation(http):
+    """OpenAI's echo with max_tokens 0: the prompt and its logprobs come back, nothing generated (vLLM's); the
+    official client sends it too."""
+    ids = _prompt_ids(http)
+    choice = _complete(http, prompt=PROMPT, echo=True, logprobs=0, max_tokens=0)["choices"][0]
+    assert choice["text"] == PROMPT and len(choice["logprobs"]["tokens"]) == len(ids)
+    assert all(v is not None for v in choice["logprobs"]["token_logprobs"][1:])
+    check_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, param="max_tokens",
+                contains=("max_tokens must be at least 1", "only allowed with echo"))
+
+
+def test_echo_without_generation_through_the_openai_client(server):
+    client = server.client()
+    out = client.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0)
+    assert out.choices[0].text == PROMPT and out.choices[0].logprobs.token_logprobs[0] is None
+
+
+def test_prompt_logprobs_in_chat_and_completions(http):
+    """vLLM's prompt_logprobs extension: per prompt token {id: {logprob, rank, decoded_token}}, the top k and the
+    token itself; completions put it on each choice, chat on the response."""
+    out = _complete(http, prompt=PROMPT, prompt_logprobs=2, max_tokens=2, n=2, temperature=1.0)
+    assert out["choices"][0]["logprobs"] is None
+    for choice in out["choices"]:
+        entries = choice["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == out["usage"]["prompt_tokens"]
+        assert all(2 <= len(e) <= 3 and {"logprob", "rank", "decoded_token"} == set(next(iter(e.values())))
+                   for e in entries[1:])
+        assert all(sorted(v["rank"] for v in e.values())[:2] == [1, 2] for e in entries[1:])
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                "prompt_logprobs": 1, "max_tokens": 2})
     assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"] and body["prompt_logprobs"][0] is None
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "x"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+])
+def test_prompt_logprobs_limits(http, path, body):
+    for value in (1, -1):  # vLLM's rule: a stream carries none (echo's own are streamed)
+        check_error(http.post(path, json={**body, "prompt_logprobs": value, "stream": True}), 400,
+                    param="prompt_logprobs", contains=("prompt_logprobs are not available when stream is true",))
+    check_error(http.post(path, json={**body, "prompt_logprobs": 21}), 400, param="prompt_logprobs",
+                contains=("requested 21 logprobs per token", "at most 20 (--max-logprobs)"))
+    check_error(http.post(path, json={**body, "prompt_logprobs": -2}), 400, param="prompt_logprobs",
+                contains=("prompt_logprobs must be non-negative or -1",))
+    assert http.post(path, json={**body, "prompt_logprobs": 0, "stream": True, "max_tokens": 1}).status_code == 200
 
 
 # -- echo + logprobs: text_offset indexes the returned text, streamed or not ----------------------------
@@ -128,6 +174,8 @@ def test_echo_logprobs_text_offset_same_streamed_or_not(http, prompt):
     tokens = [t for lp in streamed for t in lp["tokens"]]
     assert streamed_text == full["text"] and tokens == full["logprobs"]["tokens"]
     assert offsets == full["logprobs"]["text_offset"]
-    assert offsets[0] == len(prompt)  # the generated tokens follow the echoed prompt
+    prompt_len = len(_prompt_ids(http, prompt))  # the prompt's tokens come first, then the generated ones
+    assert offsets[0] == 0 and offsets[prompt_len] == len(prompt)
+    assert [e["choices"][0]["logprobs"]["token_logprobs"][0] for e in events[:1]] == [None]
     for offset, token in zip(offsets, tokens):
         assert full["text"][offset:offset + len(token)] == token

@@ -233,6 +233,27 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's Logprob in a response's `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs` of a response: per prompt token (the first null) {token id: its Logprob}
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def clamp_prompt_logprobs(prompt_logprobs) -> PromptLogprobs | None:
+    """The engine's prompt logprobs as a response field, -inf raised to OpenAI's floor -9999.0."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {token_id: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank, decoded_token=lp.decoded_token)
+             for token_id, lp in entry.items()} for entry in prompt_logprobs]
+
+
 class CompletionLogProbs(OpenAIBaseModel):
     """The logprobs of a completion choice, in the legacy parallel-list layout."""
 
@@ -347,6 +368,9 @@ class _SamplingRequest(OpenAIBaseModel):
     def _sampling_logprobs(self) -> int | None:
         raise NotImplementedError
 
+    def _sampling_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def to_sampling_params(self, default_max_tokens: int,
                            default_sampling_params: dict[str, Any] | None = None) -> "SamplingParams":
         """SamplingParams for this request.
@@ -382,6 +406,7 @@ class _SamplingRequest(OpenAIBaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=self._sampling_logprobs(),
+            prompt_logprobs=self._sampling_prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -412,7 +437,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     truncate_prompt_tokens: int | None = None  # keep the last k tokens of the rendered prompt; -1: max_model_len
-    prompt_logprobs: int | None = None  # not supported: a 400 when set
+    prompt_logprobs: int | None = None  # top tokens per prompt position (-1: all); not with stream
 
     @field_validator("messages")
     @classmethod
@@ -467,7 +492,8 @@ class CompletionRequest(_SamplingRequest):
     # vLLM extensions
     best_of: int | None = None  # vLLM's V1 engine dropped it: only None or n is accepted
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: max_model_len
-    prompt_logprobs: int | None = None  # not supported: a 400 when set
+    prompt_logprobs: int | None = None  # top tokens per prompt position (-1: all); with echo, logprobs' value
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt comes back, nothing generated
 
     @field_validator("prompt")
     @classmethod
@@ -488,11 +514,26 @@ class CompletionRequest(_SamplingRequest):
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ValueError(f"best_of is not supported by this server (got best_of={self.best_of}, "
                              f"n={self.n or 1}); use n to get several completions.")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1; 0 is only allowed with echo (the prompt and its "
+                             "logprobs come back, nothing is generated).")
         _check_prompt_options(self)
         return self
 
+    @property
+    def echo_without_generation(self) -> bool:
+        """OpenAI's `echo` with `max_tokens: 0`: the response is the prompt (one token is generated and dropped)."""
+        return self.echo and self.max_tokens == 0
+
+    def _requested_max_tokens(self) -> int | None:
+        return 1 if self.echo_without_generation else self.max_tokens
+
     def _sampling_logprobs(self) -> int | None:
         return self.logprobs
+
+    def _sampling_prompt_logprobs(self) -> int | None:
+        # echo with logprobs returns the prompt tokens' logprobs too (vLLM's rule)
+        return self.logprobs if self.prompt_logprobs is None and self.echo else self.prompt_logprobs
 
 
 def _check_prompt_options(request: ChatCompletionRequest | CompletionRequest) -> None:
@@ -500,9 +541,9 @@ def _check_prompt_options(request: ChatCompletionRequest | CompletionRequest) ->
     k = request.truncate_prompt_tokens
     if k is not None and k < 1 and k != -1:
         raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 for the model's max_model_len; got {k}.")
-    if request.prompt_logprobs is not None:
-        raise ValueError("prompt_logprobs is not supported by this server: it does not compute the logprobs of "
-                         "prompt tokens.")
+    k = request.prompt_logprobs
+    if k is not None and request.stream and (k > 0 or k == -1):  # vLLM's rule; echo's own are streamed
+        raise ValueError("prompt_logprobs are not available when stream is true.")
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -593,6 +634,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -624,6 +666,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):

@@ -14,7 +14,7 @@ from ascendserve.entrypoints.openai.protocol import (ChatCompletionLogProb, Chat
                                                      ChatCompletionResponse, ChatCompletionResponseChoice,
                                                      ChatCompletionResponseStreamChoice,
                                                      ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
-                                                     UsageInfo, random_uuid)
+                                                     UsageInfo, clamp_prompt_logprobs, random_uuid)
 from ascendserve.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse,
                                                            merge_async_iterators, run_until_disconnected, sse,
                                                            sse_error)
@@ -262,7 +262,9 @@ class OpenAIServingChat(OpenAIServing):
     # -- responses ----------------------------------------------------------------------------
     async def _collect(self, request, model, request_id, prompt_ids, stream, parsers) -> ChatCompletionResponse:
         choices = [ChoiceState() for _ in parsers]
+        prompt_logprobs = None
         async for _, output in merge_async_iterators(stream):
+            prompt_logprobs = output.prompt_logprobs or prompt_logprobs
             for c in output.outputs:
                 choice = choices[c.index]
                 choice.text += c.text
@@ -284,7 +286,8 @@ class OpenAIServingChat(OpenAIServing):
         num_generated = sum(len(c.token_ids) for c in choices)
         usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=num_generated,
                           total_tokens=len(prompt_ids) + num_generated)
-        return ChatCompletionResponse(id=request_id, model=model, choices=result, usage=usage)
+        return ChatCompletionResponse(id=request_id, model=model, choices=result, usage=usage,
+                                      prompt_logprobs=clamp_prompt_logprobs(prompt_logprobs))
 
     def _check_forced_call(self, request, parser: ChatChoiceParser, names: list[str],
                            finish_reason: str | None) -> None:

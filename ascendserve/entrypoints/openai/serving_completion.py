@@ -7,7 +7,8 @@ from fastapi import Request
 from ascendserve.engine.outputs import Logprob
 from ascendserve.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                      CompletionResponseChoice, CompletionResponseStreamChoice,
-                                                     CompletionStreamResponse, UsageInfo, random_uuid)
+                                                     CompletionStreamResponse, UsageInfo, clamp_prompt_logprobs,
+                                                     random_uuid)
 from ascendserve.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse, abort_all,
                                                            merge_async_iterators, run_until_disconnected, sse,
                                                            sse_error)
@@ -70,9 +71,27 @@ class OpenAIServingCompletion(OpenAIServing):
             text = self.tokenizer.decode(ids)
         return text or ""
 
+    def _logprobs(self, request, token_ids, logprobs, offset: int, echoed=None) -> CompletionLogProbs | None:
+        """The logprobs lists of generated tokens (text offsets from `offset`), after those of the echoed prompt when
+        `echoed` = (prompt token ids, the engine's prompt logprobs) is given: its offsets count from 0 and its first
+        token has null logprobs (vLLM's layout)."""
+        if request.logprobs is None:
+            return None
+        out = completion_logprobs(token_ids, logprobs, request.logprobs, self.tokenizer, offset)
+        if echoed is None:
+            return out
+        ids, prompt_logprobs = echoed
+        head = completion_logprobs(ids, prompt_logprobs or [None] * len(ids), request.logprobs, self.tokenizer)
+        return CompletionLogProbs(text_offset=head.text_offset + out.text_offset,
+                                  token_logprobs=head.token_logprobs + out.token_logprobs,
+                                  tokens=head.tokens + out.tokens, top_logprobs=head.top_logprobs + out.top_logprobs)
+
     async def _collect(self, request, model, base_id, prompts, streams, n) -> CompletionResponse:
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
+        prompt_logprobs = [None] * len(prompts)
         async for i, output in merge_async_iterators(*streams):
+            if output.prompt_logprobs is not None:
+                prompt_logprobs[i] = output.prompt_logprobs
             for c in output.outputs:
                 choice = choices[i * n + c.index]
                 choice.text += c.text
@@ -80,15 +99,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice.logprobs += c.logprobs or []
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
         result = []
+        only_echo = request.echo_without_generation
         for index, choice in enumerate(choices):
-            echo = self._echo(request, prompts, index // n)
-            logprobs = None
-            if request.logprobs is not None:
-                logprobs = completion_logprobs(choice.token_ids, choice.logprobs, request.logprobs,
-                                               self.tokenizer, len(echo))
-            result.append(CompletionResponseChoice(index=index, text=echo + choice.text, logprobs=logprobs,
-                                                   finish_reason=choice.finish_reason,
-                                                   stop_reason=choice.stop_reason))
+            i = index // n
+            echo = self._echo(request, prompts, i)
+            echoed = (prompts[i][1], prompt_logprobs[i]) if request.echo else None
+            generated = ([], []) if only_echo else (choice.token_ids, choice.logprobs)
+            logprobs = self._logprobs(request, *generated, len(echo), echoed)
+            result.append(CompletionResponseChoice(index=index, text=echo + ("" if only_echo else choice.text),
+                                                   logprobs=logprobs, finish_reason=choice.finish_reason,
+                                                   stop_reason=choice.stop_reason,
+                                                   prompt_logprobs=clamp_prompt_logprobs(prompt_logprobs[i])))
         return CompletionResponse(id=base_id, model=model, choices=result,
                                   usage=_usage(prompts, sum(len(c.token_ids) for c in choices)))
 
@@ -96,16 +117,22 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
         include_usage, continuous = self.stream_usage(request)
+        prompt_logprobs = [None] * len(prompts)
+        only_echo = request.echo_without_generation
         try:
             async for i, output in merge_async_iterators(*streams):
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[i] = output.prompt_logprobs
                 for c in output.outputs:
                     index = i * n + c.index
                     choice = choices[index]
-                    echo = ""
+                    echo, echoed = "", None
                     if not choice.started:
                         choice.started = True
                         echo = self._echo(request, prompts, i)
-                    text = echo + c.text
+                        echoed = (prompts[i][1], prompt_logprobs[i]) if request.echo else None
+                    generated = ([], [], "") if only_echo else (c.token_ids, c.logprobs or [], c.text)
+                    text = echo + generated[2]
                     # choice.text is the choice's returned text so far, echo included: text_offset counts from
                     # its start, so a token's offset is the same as in the non-streaming response.
                     offset = len(choice.text) + len(echo)
@@ -113,10 +140,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice.token_ids += c.token_ids
                     if not text and not c.token_ids and c.finish_reason is None:
                         continue
-                    logprobs = None
-                    if request.logprobs is not None:
-                        logprobs = completion_logprobs(c.token_ids, c.logprobs or [], request.logprobs,
-                                                       self.tokenizer, offset)
+                    logprobs = self._logprobs(request, *generated[:2], offset, echoed)
                     chunk = CompletionStreamResponse(
                         id=base_id, created=created, model=model,
                         choices=[CompletionResponseStreamChoice(index=index, text=text, logprobs=logprobs,
@@ -143,10 +167,19 @@ def _usage(prompts, num_generated: int) -> UsageInfo:
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int,
                         tokenizer, initial_offset: int = 0) -> CompletionLogProbs:
-    """The legacy parallel-list layout: tokens, token_logprobs, top_logprobs (top `num_top` + sampled)."""
+    """The legacy parallel-list layout: tokens, token_logprobs, top_logprobs (top `num_top` + sampled); a None step
+    (an echoed prompt's first token) has null logprobs."""
     out = CompletionLogProbs()
     offset = initial_offset
     for token_id, step in zip(token_ids, logprobs):
+        if step is None:  # the first prompt token: nothing predicts it
+            token = _token_text(Logprob(0.0), token_id, tokenizer)
+            out.tokens.append(token)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(token)
+            continue
         sampled = step.get(token_id) or Logprob(float("-inf"))
         token = _token_text(sampled, token_id, tokenizer)
         out.tokens.append(token)

@@ -149,10 +149,13 @@ class OpenAIServing:
             params = request.to_sampling_params(limit - num_prompt_tokens, self.options.default_sampling_params)
         except ValueError as e:
             raise OpenAIError(str(e), 400, param=_param_in(str(e))) from None
-        if params.logprobs is not None and -1 < self.options.max_logprobs < params.logprobs:
-            field = "top_logprobs" if getattr(request, "top_logprobs", None) else "logprobs"
-            raise OpenAIError(f"{field}: requested {params.logprobs} logprobs per token, but this server allows "
-                              f"at most {self.options.max_logprobs} (--max-logprobs).", 400, param=field)
+        logprobs_field = "top_logprobs" if getattr(request, "top_logprobs", None) else "logprobs"
+        # echo's prompt logprobs come from logprobs
+        prompt_field = "prompt_logprobs" if request.prompt_logprobs is not None else "logprobs"
+        for value, name in ((params.logprobs, logprobs_field), (params.prompt_logprobs, prompt_field)):
+            if value is not None and -1 < self.options.max_logprobs < value:
+                raise OpenAIError(f"{name}: requested {value} logprobs per token, but this server allows at most "
+                                  f"{self.options.max_logprobs} (--max-logprobs).", 400, param=name)
         params.output_kind = RequestOutputKind.DELTA
         return params
 
@@ -171,7 +174,7 @@ class OpenAIServing:
 
 
 _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens",
-                "min_tokens", "logprobs", "logit_bias", "allowed_token_ids", "presence_penalty",
+                "min_tokens", "logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "prompt"}
 
 
