@@ -181,6 +181,17 @@ def test_logprobs_shape(llm):
     assert pool_is_idle(llm)
 
 
+def test_detokenize_false_leaves_token_texts_out(llm):
+    """vLLM's detokenize=False: no text, and the logprobs (sampled and prompt) carry no decoded tokens; they used to."""
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=3, logprobs=2,
+                                                                 prompt_logprobs=1, detokenize=False),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].text == "" and len(out.outputs[0].token_ids) == 3
+    entries = [e for step in out.outputs[0].logprobs for e in step.values()]
+    entries += [e for step in out.prompt_logprobs[1:] for e in step.values()]
+    assert entries and all(e.decoded_token is None for e in entries)
+
+
 def test_chat_uses_the_checkpoint_template(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
