@@ -123,9 +123,9 @@ class OutputProcessor:
             stop_terminated = (update.finished and request.get_finish_reason() == "stop"
                                and not request.finished_by_grammar)
             stop_str = state.detokenizer.update(update.new_token_ids, stop_terminated)
-        if stop_str is not None and not update.finished:
+        if stop_str is not None:  # also when the same token reached max_tokens: the stop string wins (vLLM's)
             parent.finish(state, "stop", stop_str)
-            return True
+            return not update.finished
         if update.finished:
             parent.finish(state, request.get_finish_reason(), request.stop_reason)
         return False

@@ -2,6 +2,7 @@
 
 import copy
 import math
+import os
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from functools import cached_property
@@ -111,6 +112,9 @@ class SamplingParams:
         _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        max_n = max_n_sequences()
+        if self.n > max_n:  # each child is a request: an unbounded n would fill memory before anything runs
+            raise ValueError(f"n must be at most {max_n} (VLLM_MAX_N_SEQUENCES), got {self.n}.")
         self._verify_penalties()
         self._verify_truncation()
         self._verify_lengths()
@@ -236,6 +240,11 @@ _REPR_FIELDS = (
     "skip_special_tokens", "spaces_between_special_tokens", "logit_bias", "allowed_token_ids",
     "output_kind",
 )
+
+
+def max_n_sequences() -> int:
+    """vLLM's cap on `n`: VLLM_MAX_N_SEQUENCES, 16384 unless set."""
+    return int(os.environ.get("VLLM_MAX_N_SEQUENCES", "16384"))
 
 
 def _check_int(name: str, value: object) -> None:

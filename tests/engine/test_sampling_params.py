@@ -52,6 +52,7 @@ def test_defaults_equal_vllm():
     ({"logit_bias": {"x": 1.0}}, "logit_bias"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"temperature": 0.0, "n": 2}, "n"),
+    ({"temperature": 1.0, "n": 16385}, "n"),  # VLLM_MAX_N_SEQUENCES
 ])
 def test_validation_error_names_field(kwargs, field):
     with pytest.raises(ValueError) as info:

@@ -124,6 +124,21 @@ def test_stop_strings_cut_text(llm):
     assert pool_is_idle(llm)
 
 
+def test_stop_string_completed_by_the_last_allowed_token(llm):
+    """A stop string that the max_tokens-th token completes ends the request as "stop" with that string (vLLM's);
+    it used to be reported as "length" with no stop_reason, though the text was cut."""
+    prompt = "Count: one, two, three,"
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    shorter = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    stop = base.text[len(shorter.text) - 1:].strip()  # ends in the 4th token's text and starts before it
+    assert stop and base.text.endswith(stop) and not shorter.text.endswith(stop), (base.text, shorter.text)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == base.text[:base.text.rindex(stop)] and len(out.token_ids) == 4
+
+
 def test_stop_token_ids(llm):
     base = llm.generate("Count: one, two, three,", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]

@@ -53,6 +53,10 @@ def test_invalid_json(http):
     ("/v1/completions", {"prompt": "x", "n": 2, "temperature": 0}, "n", ("greedy",)),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", ("not supported",)),
     ("/v1/chat/completions", {"messages": CHAT, "bad_words": [" Paris"]}, "bad_words", ("not supported",)),
+    # an n this large used to be accepted and build its children on the engine thread until memory ran out
+    ("/v1/completions", {"prompt": "x", "n": 1208925819614629174706176, "temperature": 1.0}, "n",
+     ("n must be at most 16384 (VLLM_MAX_N_SEQUENCES)",)),
+    ("/v1/completions", {"prompt": "x", "priority": 5}, "priority", ("priority 5 needs priority scheduling",)),
 ])
 def test_schema_and_range_errors(http, path, body, param, contains):
     check_error(http.post(path, json=body), 400, param=param, contains=contains)

@@ -111,6 +111,13 @@ def test_prompt_logprobs_equal_the_logprob_of_generating_that_token(http):
         assert step["logprobs"]["token_logprobs"][0] == pytest.approx(entries[j][str(ids[j])]["logprob"], abs=2e-3)
 
 
+def test_completions_default_to_16_tokens(http):
+    """OpenAI's and vLLM's completions default: max_tokens 16 (it used to be the rest of the context)."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_echo_without_generation(http):
     """OpenAI's echo with max_tokens 0: the prompt and its logprobs come back, nothing generated (vLLM's); the
     official client sends it too."""

@@ -68,8 +68,10 @@ def test_vllm_structured_outputs_and_guided_fields_on_completions(server):
     ({"guided_regex": "[a"}, "guided_regex", "regex could not be compiled"),
     ({"guided_json": {"type": "nope"}}, "guided_json", "JSON schema could not be compiled"),
     ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs", "grammar could not be compiled"),
-    ({"guided_regex": "a", "guided_choice": ["a"]}, None, "give one of them"),
-    ({"structured_outputs": {"jsn": {}}}, None, "unknown constraint"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "give one of them"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs", "unknown constraint"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs", "structured outputs"),
+    ({"guided_choice": []}, "guided_choice", "choice must be a non-empty list"),  # param was null for these
     ({"response_format": {"type": "structural_tag"}}, "response_format", "not supported"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
      "json_schema.schema"),
@@ -79,7 +81,7 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param, contains
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3, **body})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
-        assert contains in error["message"] and (param is None or error["param"] == param), error
+        assert contains in error["message"] and error["param"] == param, error
 
 
 def test_forced_tool_call_and_response_format_conflict(server):

@@ -100,7 +100,7 @@ def _body_problem(err: dict) -> str:
 
 def _leading_field(message: str) -> str | None:
     """The request field a model-level message starts with ("tool_choice names ..." -> "tool_choice")."""
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].rstrip(":,.")  # "guided_choice: structured outputs: ..." too
     return first if "_" in first and first.replace("_", "").isalpha() and first.islower() else None
 
 

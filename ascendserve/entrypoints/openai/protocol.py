@@ -317,6 +317,14 @@ class _SamplingRequest(OpenAIBaseModel):
             raise ValueError("stream_options can only be set when stream is true.")
         return self
 
+    @field_validator("priority")
+    @classmethod
+    def _check_priority(cls, priority: int) -> int:
+        if priority != 0:  # vLLM's fcfs scheduler refuses it too
+            raise ValueError(f"priority {priority} needs priority scheduling, which this server does not have "
+                             f"(requests run first come, first served); leave priority at 0.")
+        return priority
+
     @field_validator("use_beam_search", "bad_words")
     @classmethod
     def _refuse_unimplemented(cls, value, info):
@@ -493,7 +501,8 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None  # vLLM's V1 engine dropped it: only None or n is accepted
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: max_model_len
     prompt_logprobs: int | None = None  # top tokens per prompt position (-1: all); with echo, logprobs' value
-    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt comes back, nothing generated
+    # OpenAI's legacy default, 16 (vLLM's too); null: the rest of the context. 0 only with echo (the prompt comes back)
+    max_tokens: int | None = Field(16, ge=0)
 
     @field_validator("prompt")
     @classmethod
