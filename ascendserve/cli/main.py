@@ -10,11 +10,33 @@ SUBCOMMANDS = ["ascendserve.cli.generate", "ascendserve.cli.serve", "ascendserve
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
+    from ascendserve.version import __version__
+
     parser = argparse.ArgumentParser(prog="ascendserve", description=__doc__.split(":")[0])
+    parser.add_argument("-v", "--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(sub)
+    _mark_leaves(parser)
     return parser
+
+
+def _mark_leaves(parser: argparse.ArgumentParser) -> None:
+    """Each subcommand's parser records itself (`_parser`), so that an unknown flag is reported by the parser of
+    the command it was given to, with that command's usage line."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                child.set_defaults(_parser=child)
+                _mark_leaves(child)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parse_args, with `unrecognized arguments` reported by the subcommand's own parser."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         if line:
             from ascendserve.logger import init_logger
             init_logger("ascendserve.cli.main").info(line)
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     return args.func(args) or 0
 
 

@@ -50,7 +50,6 @@ NO_EFFECT_FLAGS = {
     "--worker-use-ray": ({"action": "store_true"}, "no Ray executor: one process runs the model"),
     "--distributed-executor-backend": ({}, "no distributed executor: one process runs the model"),
     "--attention-backend": ({}, "one attention implementation per platform"),
-    "--enable-log-requests": ({"action": "store_true"}, "requests are logged unless --disable-log-requests"),
     "--structured-outputs-config": ({}, "structured outputs run on llguidance (vLLM's guidance backend) whichever "
                                         "backend is named, after the reasoning where a reasoning parser runs"),
     "--guided-decoding-backend": ({}, "structured outputs run on llguidance (vLLM's guidance backend)"),
@@ -70,6 +69,13 @@ NO_EFFECT_FLAGS = {
     "--config-format": ({}, "the Hugging Face config.json (or the GGUF's metadata) is read"),
     "--model-impl": ({}, "this engine's own model implementations run"),
     "--hf-config-path": ({}, "the config is read from the model's directory"),
+    "--disable-frontend-multiprocessing": ({"action": "store_true"}, "the API server and the engine share one "
+                                                                     "process already"),
+    "--show-hidden-metrics-for-version": ({}, "no metric is hidden"),
+    "--enable-log-outputs": ({"action": "store_true"}, "responses are not logged, only requests "
+                                                       "(--enable-log-requests)"),
+    "--otlp-traces-endpoint": ({}, "OpenTelemetry tracing is not implemented"),
+    "--collect-detailed-traces": ({}, "OpenTelemetry tracing is not implemented"),
 }
 
 
@@ -106,9 +112,27 @@ def register(sub) -> None:
 
 def add_server_flags(p: argparse.ArgumentParser) -> None:
     """The frontend flags of `vllm serve`, plus the accepted-but-inert ones."""
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of --host / --port")
+    p.add_argument("--root-path", default=None, help="the path prefix a reverse proxy serves the API under")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    p.add_argument("--ssl-certfile", default=None, help="... and this certificate (PEM)")
+    p.add_argument("--ssl-ca-certs", default=None, help="CA certificates for client certificates")
+    p.add_argument("--ssl-cert-reqs", type=int, default=0, help="client certificates: 0 none, 1 optional, 2 required")
+    p.add_argument("--ssl-ciphers", default=None, help="the TLS ciphers to allow (OpenSSL cipher list)")
+    p.add_argument("--log-config-file", default=None,
+                   help="a logging config file (JSON, YAML or ini) for uvicorn's loggers")
+    p.add_argument("--middleware", action="append", default=[],
+                   help="import path of an ASGI middleware class, or of an async function(request, call_next) "
+                        "(repeatable)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer with an X-Request-Id header (the request's own, else a fresh id)")
+    p.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    p.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="count the chat / completion requests in flight, served at GET /load")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name(s) requests use (default: the model argument)")
     p.add_argument("--hf-overrides", type=_json_flag("--hf-overrides"), default=None)
     p.add_argument("--compilation-config", type=_json_flag("--compilation-config"), default=None,
                    help='cudagraph_mode FULL_DECODE_ONLY (or FULL, FULL_AND_PIECEWISE) captures decode steps as CUDA '
@@ -134,8 +158,13 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
-    p.add_argument("--disable-log-requests", action="store_true")
-    p.add_argument("--disable-log-stats", action="store_true")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's id, prompt length and sampling parameters (off by default, as vLLM's)")
+    p.add_argument("--disable-log-requests", action="store_true", help="vLLM's older switch; requests are not "
+                                                                       "logged unless --enable-log-requests")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="at most this many characters of a logged prompt (and of its parameters)")
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / cache log line")
     p.add_argument("--hf-token", default=None, help="token for gated Hugging Face downloads (sets HF_TOKEN)")
     p.add_argument("--shutdown-timeout", type=float, default=0.0,
                    help="on SIGTERM / SIGINT: seconds in-flight requests may run on before they are aborted (0, the "
@@ -194,6 +223,15 @@ def check_flags(ns: argparse.Namespace) -> None:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
     if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
+    if ns.max_log_len is not None and ns.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {ns.max_log_len}")
+    if bool(ns.ssl_keyfile) != bool(ns.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both to serve HTTPS")
+    for path in (ns.ssl_keyfile, ns.ssl_certfile, ns.ssl_ca_certs, ns.log_config_file):
+        if path and not os.path.isfile(path):
+            raise ValueError(f"no such file: {path}")
+    for name in ns.middleware:
+        load_middleware(name)
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -217,17 +255,77 @@ def run(ns: argparse.Namespace) -> int:
         return 2
     if os.environ.get("VLLM_USE_MODELSCOPE", "").lower() in ("1", "true") and ns.model:
         logger.info("VLLM_USE_MODELSCOPE is set: %s is resolved from ModelScope", ns.model)
-    serve(ns, args, chat_template)
+    try:  # before the model loads (minutes for a large one), as vLLM does: a taken port fails at once
+        sock = bind_socket(ns)
+    except OSError as e:
+        where = ns.uds or f"{ns.host}:{ns.port}"
+        print(f"ascendserve serve: error: cannot listen on {where}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    serve(ns, args, chat_template, sock)
     return 0
 
 
-def serve(ns: argparse.Namespace, args, chat_template: str | None) -> None:
-    """Build engine and app, then run uvicorn (blocks)."""
+def bind_socket(ns: argparse.Namespace):
+    """The listening socket of --uds, or of --host / --port (IPv6 for an IPv6 address); raises OSError."""
+    import ipaddress
+    import socket
+
+    if ns.uds:
+        if os.path.exists(ns.uds) and not os.path.isfile(ns.uds):
+            os.unlink(ns.uds)  # a stale socket file of an earlier run
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        address = ns.uds
+    else:
+        try:
+            family = socket.AF_INET6 if ipaddress.ip_address(ns.host).version == 6 else socket.AF_INET
+        except ValueError:  # a host name
+            family = socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        address = (ns.host, ns.port)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def load_middleware(name: str):
+    """The object `--middleware package.module.Name` names; raises ValueError naming what is wrong."""
+    import importlib
+
+    module_name, _, attr = name.rpartition(".")
+    try:
+        middleware = getattr(importlib.import_module(module_name), attr) if module_name else None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--middleware {name}: cannot import it ({e})") from None
+    if middleware is None or not callable(middleware):
+        raise ValueError(f"--middleware {name}: an import path of an ASGI middleware class or of an async "
+                         f"function(request, call_next) is needed")
+    return middleware
+
+
+def uvicorn_config(ns: argparse.Namespace, app):
+    """uvicorn's config of the server flags (the socket is bound already: host / port only name it in logs)."""
     import uvicorn
 
+    # Past the drain, uvicorn cancels what still runs (a client that does not read its finished stream, say).
+    return uvicorn.Config(app, host=ns.host, port=ns.port, uds=ns.uds, root_path=ns.root_path or "",
+                          log_level=ns.uvicorn_log_level, access_log=not ns.disable_uvicorn_access_log,
+                          log_config=ns.log_config_file or uvicorn.config.LOGGING_CONFIG, timeout_keep_alive=5,
+                          timeout_graceful_shutdown=ns.shutdown_timeout + SHUTDOWN_GRACE_S,
+                          ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
+                          ssl_cert_reqs=ns.ssl_cert_reqs, **({"ssl_ciphers": ns.ssl_ciphers} if ns.ssl_ciphers else {}))
+
+
+def serve(ns: argparse.Namespace, args, chat_template: str | None, sock) -> None:
+    """Build engine and app, then run uvicorn on the bound socket `sock` (blocks)."""
     from ascendserve.engine.async_engine import AsyncLLM
     from ascendserve.engine.llm_engine import LLMEngine
-    from ascendserve.entrypoints.openai.api_server import DEFAULT_LOG_STATS_INTERVAL_S, build_app
+    from ascendserve.entrypoints.openai.api_server import DEFAULT_LOG_STATS_INTERVAL_S, FrontendOptions, build_app
     from ascendserve.entrypoints.openai.serving_engine import ServerOptions
     from ascendserve.entrypoints.openai.serving_models import ServingModels
     from ascendserve.metrics import EngineMetrics
@@ -240,7 +338,8 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None) -> None:
     reasoning_cls, tool_cls = _parser_classes(ns, engine.tokenizer)
     options = ServerOptions(
         max_waiting_requests=ns.max_waiting_requests, max_logprobs=ns.max_logprobs,
-        log_requests=not ns.disable_log_requests, chat_template=chat_template,
+        log_requests=ns.enable_log_requests and not ns.disable_log_requests, max_log_len=ns.max_log_len,
+        chat_template=chat_template,
         trust_request_chat_template=ns.trust_request_chat_template, reasoning_parser=ns.reasoning_parser,
         tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice,
         default_chat_template_kwargs=ns.default_chat_template_kwargs,
@@ -251,26 +350,30 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None) -> None:
         os.environ.get("VLLM_LOG_STATS_INTERVAL", DEFAULT_LOG_STATS_INTERVAL_S))
     cors = {"allowed_origins": _flat(ns.allowed_origins), "allowed_methods": _flat(ns.allowed_methods),
             "allowed_headers": _flat(ns.allowed_headers), "allow_credentials": ns.allow_credentials}
+    frontend = FrontendOptions(docs=not ns.disable_fastapi_docs, request_id_headers=ns.enable_request_id_headers,
+                               middleware=[load_middleware(name) for name in ns.middleware],
+                               load_tracking=ns.enable_server_load_tracking)
     app = build_app(async_llm, ServingModels(names, config.model_path, config.max_model_len), options,
                     metrics=metrics, api_keys=[ns.api_key] if ns.api_key else [], cors=cors,
-                    reasoning_parser_cls=reasoning_cls, tool_parser_cls=tool_cls, log_stats_interval=interval)
-    logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", names[0], ns.host, ns.port)
-    # Past the drain, uvicorn cancels what still runs (a client that does not read its finished stream, say).
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                            access_log=not ns.disable_uvicorn_access_log, timeout_keep_alive=5,
-                            timeout_graceful_shutdown=ns.shutdown_timeout + SHUTDOWN_GRACE_S)
+                    reasoning_parser_cls=reasoning_cls, tool_parser_cls=tool_cls, log_stats_interval=interval,
+                    frontend=frontend)
+    scheme = "https" if ns.ssl_certfile else "http"
+    where = f"unix socket {ns.uds}" if ns.uds else f"{scheme}://{ns.host}:{ns.port}{ns.root_path or ''}"
+    logger.info("Serving %s on %s (OpenAI API under /v1)", names[0], where)
     try:
-        _run_server(config, lambda: _drain_or_abort(async_llm, ns.shutdown_timeout))
+        _run_server(uvicorn_config(ns, app), sock, lambda: _drain_or_abort(async_llm, ns.shutdown_timeout))
     finally:
         async_llm.shutdown()
+        sock.close()
 
 
 # Seconds uvicorn's graceful shutdown gives connections after --shutdown-timeout has aborted the requests.
 SHUTDOWN_GRACE_S = 5.0
 
 
-def _run_server(config, on_exit) -> None:
-    """uvicorn's server, which calls `on_exit` on the first exit signal, before it stops taking connections."""
+def _run_server(config, sock, on_exit) -> None:
+    """uvicorn's server on `sock`, which calls `on_exit` on the first exit signal, before it stops taking
+    connections."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -280,7 +383,7 @@ def _run_server(config, on_exit) -> None:
             super().handle_exit(sig, frame)
 
     try:
-        Server(config).run()
+        Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # SIGINT, raised again once uvicorn has stopped (uvicorn.run swallows it too)
         pass
 

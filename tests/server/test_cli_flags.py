@@ -52,9 +52,10 @@ def started(monkeypatch):
     """Run `main()` up to the point where the engine would load; return what it would serve with."""
     seen = {}
 
-    def fake_serve(ns, args, chat_template):
-        seen.update(ns=ns, args=args, chat_template=chat_template)
+    def fake_serve(ns, args, chat_template, sock):
+        seen.update(ns=ns, args=args, chat_template=chat_template, sock=sock)
     monkeypatch.setattr(serve_cli, "serve", fake_serve)
+    monkeypatch.setattr(serve_cli, "bind_socket", lambda ns: None)  # the lines name port 8000: left alone
     return seen
 
 

@@ -41,6 +41,7 @@ class RemoteServer:
 
     def __init__(self, args: list[str], env: dict | None = None) -> None:
         self.port = free_port()
+        self.scheme = "https" if "--ssl-certfile" in args else "http"  # a test's self-signed certificate
         self.log = tempfile.NamedTemporaryFile("w+", prefix="ascendserve-server-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "ascendserve.cli.main", "serve", "--host", "127.0.0.1",
                "--port", str(self.port), *args]
@@ -50,8 +51,8 @@ class RemoteServer:
 
     @property
     def url(self) -> str:
-        """http://127.0.0.1:PORT"""
-        return f"http://127.0.0.1:{self.port}"
+        """http://127.0.0.1:PORT (https with --ssl-certfile)"""
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -60,7 +61,7 @@ class RemoteServer:
                 raise RuntimeError(f"server exited with {self.proc.returncode} ({self.log.name}):\n"
                                    f"{self.read_log()[-4000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1, verify=False).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -86,7 +87,7 @@ class RemoteServer:
     def http(self, auth: bool = True) -> httpx.Client:
         """A plain httpx client (with the key unless auth=False)."""
         headers = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=120)
+        return httpx.Client(base_url=self.url, headers=headers, timeout=120, verify=False)
 
     def metrics(self) -> dict[str, float]:
         """`/metrics` as {sample line name with labels: value} for the vllm:* samples."""

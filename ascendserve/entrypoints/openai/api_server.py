@@ -3,6 +3,9 @@
 import asyncio
 import contextlib
 import hmac
+import inspect
+import uuid
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -26,18 +29,37 @@ logger = init_logger(__name__)
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 
 
+@dataclass
+class FrontendOptions:
+    """vLLM's HTTP-layer flags: --disable-fastapi-docs, --enable-request-id-headers, --middleware,
+    --enable-server-load-tracking."""
+
+    docs: bool = True  # /docs, /redoc, /openapi.json
+    request_id_headers: bool = False  # X-Request-Id on every response
+    middleware: list = field(default_factory=list)  # ASGI middleware classes or async functions(request, call_next)
+    load_tracking: bool = False  # count the generation requests in flight (GET /load)
+
+
+# The routes --enable-server-load-tracking counts while they run (a stream until its last byte).
+LOAD_TRACKED_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
 def build_app(engine, models: ServingModels, options: ServerOptions, *, metrics=None, api_keys: list[str] = (),
               cors: dict | None = None, reasoning_parser_cls=None, tool_parser_cls=None,
-              log_stats_interval: float | None = None) -> FastAPI:
+              log_stats_interval: float | None = None, frontend: FrontendOptions | None = None) -> FastAPI:
     """The FastAPI app of one server; `engine` is an AsyncLLM (or a test double with its surface)."""
+    frontend = frontend or FrontendOptions()
+    docs = {} if frontend.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="ascendserve OpenAI-compatible server", version=__version__,
-                  lifespan=_lifespan(metrics, log_stats_interval))
+                  lifespan=_lifespan(metrics, log_stats_interval), **docs)
+    app.state.server_load = 0
     chat = OpenAIServingChat(engine, models, options, reasoning_parser_cls, tool_parser_cls)
     completion = OpenAIServingCompletion(engine, models, options)
     tokenization = OpenAIServingTokenization(engine, models, options)
     install_error_handlers(app)
     if api_keys:
         _install_api_key_check(app, list(api_keys))
+    _install_frontend_middleware(app, frontend)
     cors = cors or {}
     app.add_middleware(CORSMiddleware, allow_origins=cors.get("allowed_origins", ["*"]),
                        allow_credentials=cors.get("allow_credentials", False),
@@ -57,6 +79,10 @@ def build_app(engine, models: ServingModels, options: ServerOptions, *, metrics=
     @app.get("/version")
     async def version():
         return {"version": __version__}
+
+    @app.get("/load")
+    async def server_load():  # vLLM's: 0 unless --enable-server-load-tracking
+        return {"server_load": app.state.server_load}
 
     @app.get("/v1/models")
     async def list_models():
@@ -107,6 +133,48 @@ async def _log_stats_forever(metrics, interval: float) -> None:
         metrics.log()
 
 
+def _install_frontend_middleware(app: FastAPI, frontend: FrontendOptions) -> None:
+    """--middleware (each user middleware in the order given), X-Request-Id headers and load tracking."""
+    for middleware in frontend.middleware:
+        if inspect.isclass(middleware):
+            app.add_middleware(middleware)
+        else:
+            app.middleware("http")(middleware)
+    if frontend.request_id_headers:
+        @app.middleware("http")
+        async def add_request_id(request: Request, call_next):
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            response = await call_next(request)
+            response.headers["X-Request-Id"] = request_id
+            return response
+    if frontend.load_tracking:
+        app.add_middleware(_LoadTracker, state=app.state)
+
+
+class _LoadTracker:
+    """ASGI middleware: app.state.server_load counts the LOAD_TRACKED_PATHS requests until their response (a stream
+    to its end) is sent or the client is gone."""
+
+    def __init__(self, app, state) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or _route_path(scope) not in LOAD_TRACKED_PATHS:
+            return await self.app(scope, receive, send)
+        self.state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.server_load -= 1
+
+
+def _route_path(scope) -> str:
+    """The request's path without --root-path, which uvicorn puts in front of it ("/api/v1/models" -> "/v1/models");
+    the API key check and the load tracking read this one, as the router does."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 def _install_api_key_check(app: FastAPI, keys: list[str]) -> None:
     """Every /v1 route needs `Authorization: Bearer <key>` (as vLLM: /health, /metrics stay open); the scheme's
     case does not matter (RFC 7235: `bearer <key>` too)."""
@@ -114,7 +182,7 @@ def _install_api_key_check(app: FastAPI, keys: list[str]) -> None:
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if request.method == "OPTIONS" or not request.url.path.startswith("/v1"):
+        if request.method == "OPTIONS" or not _route_path(request.scope).startswith("/v1"):
             return await call_next(request)
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         given = token.encode() if scheme.lower() == "bearer" else b""
@@ -126,4 +194,4 @@ def _install_api_key_check(app: FastAPI, keys: list[str]) -> None:
         return await call_next(request)
 
 
-__all__ = ["build_app", "OpenAIError", "DEFAULT_LOG_STATS_INTERVAL_S"]
+__all__ = ["build_app", "FrontendOptions", "OpenAIError", "DEFAULT_LOG_STATS_INTERVAL_S"]

@@ -14,7 +14,7 @@ from ascendserve.entrypoints.openai.protocol import (ChatCompletionLogProb, Chat
                                                      ChatCompletionResponse, ChatCompletionResponseChoice,
                                                      ChatCompletionResponseStreamChoice,
                                                      ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
-                                                     UsageInfo, clamp_prompt_logprobs, random_uuid)
+                                                     UsageInfo, clamp_prompt_logprobs)
 from ascendserve.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse,
                                                            merge_async_iterators, run_until_disconnected, sse,
                                                            sse_error)
@@ -143,7 +143,7 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs = self._forced_call_grammar(request)
         elif params.structured_outputs is not None:
             params.structured_outputs_wait_for = self._reasoning_end_token(request, prompt_ids)
-        request_id = f"chatcmpl-{random_uuid()}"
+        request_id = self.response_id("chatcmpl", request, raw_request)
         parsers = [self._choice_parser(request, prompt_ids, prefix) for _ in range(request.n or 1)]
         stream = await self.add(request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params,
                                 "messages", request.structured_outputs_field or "tool_choice")

@@ -7,8 +7,7 @@ from fastapi import Request
 from ascendserve.engine.outputs import Logprob
 from ascendserve.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                      CompletionResponseChoice, CompletionResponseStreamChoice,
-                                                     CompletionStreamResponse, UsageInfo, clamp_prompt_logprobs,
-                                                     random_uuid)
+                                                     CompletionStreamResponse, UsageInfo, clamp_prompt_logprobs)
 from ascendserve.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse, abort_all,
                                                            merge_async_iterators, run_until_disconnected, sse,
                                                            sse_error)
@@ -24,7 +23,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """A CompletionResponse, or an SSEResponse when `stream` is set."""
         model = self.admit(request)
         prompts = await self._prompts(request)
-        base_id = f"cmpl-{random_uuid()}"
+        base_id = self.response_id("cmpl", request, raw_request)
         streams = []
         self.check_waiting_limit()
         try:

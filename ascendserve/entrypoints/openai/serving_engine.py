@@ -14,6 +14,7 @@ from starlette.responses import StreamingResponse
 from ascendserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from ascendserve.engine.structured_output import GRAMMAR_ERROR_PREFIX
 from ascendserve.entrypoints.openai.errors import OpenAIError, error_body
+from ascendserve.entrypoints.openai.protocol import random_uuid
 from ascendserve.entrypoints.openai.serving_models import ServingModels
 from ascendserve.logger import init_logger
 
@@ -47,7 +48,8 @@ class ServerOptions:
 
     max_waiting_requests: int | None = None
     max_logprobs: int = 20  # -1: no cap
-    log_requests: bool = True
+    log_requests: bool = False  # --enable-log-requests
+    max_log_len: int | None = None  # characters of a logged prompt / parameters; None: all
     chat_template: str | None = None
     trust_request_chat_template: bool = False
     reasoning_parser: str | None = None
@@ -73,6 +75,13 @@ class OpenAIServing:
         self.options = options
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
+
+    @staticmethod
+    def response_id(prefix: str, request, raw_request: Request | None) -> str:
+        """vLLM's response id: `prefix` + "-" + the X-Request-Id header, else the body's request_id (a fresh uuid
+        when the client sent none)."""
+        header = raw_request.headers.get("x-request-id") if raw_request is not None else None
+        return f"{prefix}-{header or request.request_id}"
 
     def admit(self, request) -> str:
         """The model name to answer with; raise 404 for an unknown model, 503 when overloaded."""
@@ -164,10 +173,13 @@ class OpenAIServing:
         """Queue one prompt; a ValueError from the engine's checks becomes a 400 naming the field at fault (a grammar
         that does not compile: `constraint_field`, the request field it came from)."""
         if self.options.log_requests:
-            logger.info("Received request %s: %d prompt tokens, params: %r", request_id,
-                        len(prompt.get("prompt_token_ids", ())), params)
+            clip = slice(self.options.max_log_len)
+            logger.info("Received request %s: %d prompt tokens, params: %s", request_id,
+                        len(prompt.get("prompt_token_ids", ())), repr(params)[clip])
+            logger.debug("Request %s prompt: %r", request_id, (prompt.get("prompt") or "")[clip])
         try:
-            return await self.engine.add_request(request_id, prompt, params)
+            # the engine's id is unique even when clients reuse an X-Request-Id (vLLM's suffix)
+            return await self.engine.add_request(f"{request_id}-{random_uuid()[:8]}", prompt, params)
         except ValueError as e:
             grammar = constraint_field if str(e).startswith(GRAMMAR_ERROR_PREFIX) else None
             raise OpenAIError(str(e), 400, param=_param_in(str(e)) or grammar or input_name) from None
