@@ -105,6 +105,11 @@ class LLMEngine:
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
         params.validate_against(self.vocab_size, self.config.args.max_logprobs)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer (the engine runs with skip_tokenizer_init)")
+            params = params.clone()  # the caller's params stay as given
+            params.update_from_tokenizer(self.tokenizer)
         max_tokens = self.config.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)

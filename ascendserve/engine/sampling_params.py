@@ -65,6 +65,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # Words never to generate (vLLM's): a word's last token is masked where the output ends with the rest of it
+    bad_words: list[str] | None = None
     # A grammar the output follows (StructuredOutputsParams), as vLLM's `structured_outputs`;
     # `structured_outputs_wait_for`: a token id (a reasoning model's </think>) after which the grammar starts
     structured_outputs: StructuredOutputsParams | None = None
@@ -72,6 +74,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Characters the detokenizer holds back so that a stop string is never streamed out.
     output_text_buffer_length: int = field(default=0, init=False)
+    # The token ids of each bad word, with and without a leading space (update_from_tokenizer; vLLM's rule)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -95,6 +99,10 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None and not all(isinstance(w, str) for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}.")
         if self.logit_bias is not None:
             self.logit_bias = _to_logit_bias(self.logit_bias)
         if self.stop and not self.include_stop_str_in_output:
@@ -205,6 +213,19 @@ class SamplingParams:
                 raise ValueError(f"{name}: requested {requested} logprobs per token, but at most {max_logprobs} "
                                  f"are allowed (max_logprobs; -1 lifts the cap).")
 
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Tokenize `bad_words` (vLLM's rule): each word alone, and after a space where that gives a different first
+        token and as many tokens (the word inside a text), so both forms are kept from the output."""
+        words = []
+        for word in self.bad_words or ():
+            alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if alone:
+                words.append(alone)
+            if spaced and (not alone or (spaced[0] != alone[0] and len(spaced) == len(alone))):
+                words.append(spaced)
+        self.bad_words_token_ids = words
+
     @cached_property
     def sampling_type(self) -> SamplingType:
         """GREEDY below temperature 1e-5, else RANDOM_SEED when seeded, else RANDOM."""
@@ -237,7 +258,7 @@ _REPR_FIELDS = (
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
     "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-    "skip_special_tokens", "spaces_between_special_tokens", "logit_bias", "allowed_token_ids",
+    "skip_special_tokens", "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "bad_words",
     "output_kind",
 )
 

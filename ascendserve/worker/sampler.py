@@ -130,12 +130,14 @@ class Sampler:
 
 
 def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Apply grammars, allowed_token_ids, logit_bias, min_tokens and penalties to float32 logits in place."""
+    """Apply grammars, allowed_token_ids, logit_bias, min_tokens, bad_words and penalties to float32 logits in
+    place."""
     if any(row.grammar is not None for row in rows):
         apply_grammar_masks(logits, [row.grammar for row in rows])
     _apply_allowed_token_ids(logits, rows)
     _apply_logit_bias(logits, rows)
     _apply_min_tokens(logits, rows)
+    _apply_bad_words(logits, rows)
     apply_penalties(logits, rows)
     return logits
 
@@ -235,6 +237,28 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits[_index(row_ids, logits.device), _index(token_ids, logits.device)] = _NEG_INF
 
 
+def _apply_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    row_ids, token_ids = [], []
+    for i, row in enumerate(rows):
+        banned = _bad_words_banned(row)
+        row_ids += [i] * len(banned)
+        token_ids += banned
+    if row_ids:
+        logits[_index(row_ids, logits.device), _index(token_ids, logits.device)] = _NEG_INF
+
+
+def _bad_words_banned(row: SamplingRow) -> list[int]:
+    """The last token of each bad word whose other tokens end the output so far (vLLM reads the output only):
+    words [[5], [7, 8]] after output [.., 7] ban [5, 8]."""
+    banned = []
+    out = row.output_token_ids
+    for word in row.params.bad_words_token_ids or ():
+        head = len(word) - 1
+        if head == 0 or (head <= len(out) and list(out[len(out) - head:]) == word[:-1]):
+            banned.append(word[-1])
+    return banned
+
+
 def _min_tokens_banned(row: SamplingRow) -> list[int]:
     params = row.params
     if len(row.output_token_ids) >= params.min_tokens:
@@ -328,7 +352,7 @@ def plain_greedy_without_logprobs(rows: Sequence[SamplingRow]) -> bool:
 def _is_plain_greedy(row: SamplingRow) -> bool:
     params = row.params
     return (params.is_greedy and not _has_penalty(params) and not params.logit_bias
-            and params.allowed_token_ids is None and not _min_tokens_banned(row)
+            and params.allowed_token_ids is None and not _min_tokens_banned(row) and not _bad_words_banned(row)
             and (row.grammar is None or not row.grammar.active))
 
 

@@ -139,6 +139,39 @@ def test_stop_string_completed_by_the_last_allowed_token(llm):
     assert out.text == base.text[:base.text.rindex(stop)] and len(out.token_ids) == 4
 
 
+def _contains(seq: list[int], part: list[int]) -> bool:
+    return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+
+
+def test_bad_words_are_never_generated(llm):
+    """vLLM's bad_words: a one-token word is never sampled, a longer one never completed (its first tokens may
+    appear alone); greedy output changes where it used to hold them, and the caller's params are left as given."""
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+
+    def words_of(tokens: list[int]) -> list[list[int]]:
+        params = SamplingParams(bad_words=[tokenizer.decode(tokens)])
+        params.update_from_tokenizer(tokenizer)
+        return params.bad_words_token_ids
+
+    # words whose tokenization (alone or after a space: vLLM's two forms) is what the greedy output holds
+    ids = base.token_ids
+    pair = next(tokenizer.decode(ids[i:i + 2]) for i in range(len(ids) - 1)
+                if tokenizer.decode(ids[i:i + 2]).strip() and ids[i:i + 2] in words_of(ids[i:i + 2]))
+    single = next(tokenizer.decode([t]) for t in ids if tokenizer.decode([t]).strip() and [t] in words_of([t]))
+    for bad in ([pair], [single], [pair, single]):
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, bad_words=bad)
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert params.bad_words_token_ids is None  # computed on the engine's copy
+        check = params.clone()
+        check.update_from_tokenizer(tokenizer)
+        assert check.bad_words_token_ids and out.token_ids != base.token_ids
+        assert not any(_contains(out.token_ids, word) for word in check.bad_words_token_ids), (bad, out.text)
+    assert pool_is_idle(llm)
+
+
 def test_stop_token_ids(llm):
     base = llm.generate("Count: one, two, three,", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]

@@ -111,6 +111,14 @@ def test_prompt_logprobs_equal_the_logprob_of_generating_that_token(http):
         assert step["logprobs"]["token_logprobs"][0] == pytest.approx(entries[j][str(ids[j])]["logprob"], abs=2e-3)
 
 
+def test_bad_words(http):
+    """vLLM's bad_words: the greedy first token, banned, is not generated (it used to be a 400)."""
+    base = _complete(http, prompt="The capital of France is", logprobs=0, max_tokens=3)["choices"][0]
+    first = base["logprobs"]["tokens"][0]
+    out = _complete(http, prompt="The capital of France is", logprobs=0, max_tokens=3, bad_words=[first])
+    assert out["choices"][0]["logprobs"]["tokens"][0] != first, (first, out["choices"][0]["text"])
+
+
 def test_completions_default_to_16_tokens(http):
     """OpenAI's and vLLM's completions default: max_tokens 16 (it used to be the rest of the context)."""
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "ignore_eos": True})

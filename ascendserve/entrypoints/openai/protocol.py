@@ -307,9 +307,9 @@ class _SamplingRequest(OpenAIBaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    bad_words: list[str] | None = None
     # vLLM's, not implemented here: refused when set rather than ignored (a different kind of result would come back)
     use_beam_search: bool = False
-    bad_words: list[str] | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -325,7 +325,7 @@ class _SamplingRequest(OpenAIBaseModel):
                              f"(requests run first come, first served); leave priority at 0.")
         return priority
 
-    @field_validator("use_beam_search", "bad_words")
+    @field_validator("use_beam_search")
     @classmethod
     def _refuse_unimplemented(cls, value, info):
         if value:
@@ -420,6 +420,7 @@ class _SamplingRequest(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             structured_outputs=self.structured_outputs_params(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
