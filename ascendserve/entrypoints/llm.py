@@ -20,6 +20,10 @@ class LLM:
         """The tokenizer the engine uses."""
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block (vLLM's); False, and nothing dropped, while requests hold blocks."""
+        return self.llm_engine.kv_cache_manager.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` / `chat` use without sampling_params: the checkpoint's generation_config.json defaults
         (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM; plain SamplingParams()

@@ -143,6 +143,15 @@ def _contains(seq: list[int], part: list[int]) -> bool:
     return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
 
 
+def test_reset_prefix_cache(llm):
+    prompt = {"prompt": "A long enough prompt to fill a block or two of sixteen tokens each, " * 3}
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate(prompt, params, use_tqdm=False)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens >= 32
+    assert llm.reset_prefix_cache()
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
+
+
 def test_bad_words_are_never_generated(llm):
     """vLLM's bad_words: a one-token word is never sampled, a longer one never completed (its first tokens may
     appear alone); greedy output changes where it used to hold them, and the caller's params are left as given."""
