@@ -240,3 +240,29 @@ def test_forced_call_grammars_keep_required_parameters_and_escape_names(llm):
         forced_call_grammar("qwen3_coder", quoted, None)
     with pytest.raises(ValueError, match="parameter name 'a>b' of function 'f' cannot be written"):
         forced_call_grammar("qwen3_coder", [{"name": "f", "parameters": {"properties": {"a>b": {}}}}], "f")
+
+
+def test_forced_call_grammar_with_its_opening(llm):
+    """For a model that thinks first, the grammar holds the whole call from after </think>: blank space, then the
+    opening (TOOL_CALL_OPENINGS), then what it leaves to the model; nothing else is allowed."""
+    from ascendserve.entrypoints.openai.chat_utils import TOOL_CALL_OPENINGS, forced_call_grammar
+
+    compiler, tokenizer = llm.llm_engine.grammar_compiler, llm.get_tokenizer()
+    tools = [{"name": "f", "parameters": {"properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+             {"name": "g", "parameters": {"properties": {}}}]
+    call = "<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
+
+    def accepts(name: str | None, text: str) -> bool:
+        named, opening = TOOL_CALL_OPENINGS["qwen3_coder"]
+        lead = named.format(name=name) if name else opening
+        grammar = forced_call_grammar("qwen3_coder", tools if name is None else tools[:1], name, name is None, lead)
+        state, = compiler.compile(StructuredOutputsParams(grammar=grammar), 1)
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            state.accept(token)
+        return (state.ended or state.matcher.is_accepting()) and not state.failed  # "required": more calls may follow
+
+    assert accepts("f", "\n\n<tool_call>\n<function=f>\n" + call.removesuffix("\n</tool_call>"))
+    assert accepts(None, "<tool_call>\n<function=f>\n" + call)
+    assert accepts(None, "\n<tool_call>\n<function=g>\n</function>\n</tool_call>")
+    assert not accepts("f", "Sure! <tool_call>\n<function=f>\n" + call)
+    assert not accepts(None, "\n\n<tool_call>\n<function=h>\n</function>\n</tool_call>")

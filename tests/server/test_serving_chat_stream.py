@@ -260,16 +260,41 @@ def test_app_server_wide_chat_options(tokenizer):
     assert events[-1]["choices"] == [] and events[-1]["usage"]["prompt_tokens"] == 1
 
 
-def test_app_named_tool_choice_forces_the_opening_into_the_prompt(tokenizer):
+def test_app_named_tool_choice_with_thinking_off_puts_the_opening_in_the_prompt(tokenizer):
     engine = ScriptedEngine(tokenizer, script="<parameter=city>\nOslo\n</parameter>\n")
     client = make_client(engine)
     body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "chat_template_kwargs": {"enable_thinking": False}}
     choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert engine.prompts[0]["prompt"].endswith("</think>\n\n<tool_call>\n<function=get_weather>\n")
+    assert engine.prompts[0]["prompt_token_ids"] == tokenizer.encode(engine.prompts[0]["prompt"])
+    assert engine.params[0].structured_outputs_wait_for is None
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
     assert choice["message"]["content"] is None and choice["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_app_forced_tool_choice_thinks_first(tokenizer, tool_choice):
+    """A prompt that leaves <think> open: the model thinks, then the call's grammar (opening included) holds from the
+    token after </think> (vLLM's order; the opening used to be put in the prompt after a forced </think>)."""
+    engine = ScriptedEngine(tokenizer)  # thinking, </think>, then the call
+    client = make_client(engine)
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": tool_choice}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert engine.prompts[0]["prompt"].endswith("<|im_start|>assistant\n<think>\n")
+    params = engine.params[0]
+    assert params.structured_outputs_wait_for == tokenizer.convert_tokens_to_ids("</think>")
+    assert "<function=" in params.structured_outputs.grammar and "LEAD_SPACE" in params.structured_outputs.grammar
+    assert choice["message"]["reasoning_content"] == "The user wants weather.\n"
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    assert choice["finish_reason"] == "tool_calls"
+    engine.script = "Still thinking when max_tokens ran out"  # no call, cut short: returned as it is
+    r = client.post("/v1/chat/completions", json={**body, "max_tokens": 1})  # the scripted engine's "length"
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    engine.script = REASONING_THEN_ANSWER  # ended without a call: an error, never text
+    assert client.post("/v1/chat/completions", json=body).status_code == 500
 
 
 def test_app_auto_tool_choice_needs_the_flag(tokenizer):
@@ -382,17 +407,17 @@ def test_stats_log_line_like_vllm():
 
 
 def test_app_structured_outputs_wait_for_the_end_of_thinking(tokenizer):
-    """Qwen3.5 with the qwen3 reasoning parser: a prompt that leaves <think> open gets its JSON constraint from the
-    token after </think>; with thinking off (closed in the prompt) and for a forced call (which closes it) from the
-    first token."""
+    """Qwen3.5 with the qwen3 reasoning parser: a prompt that leaves <think> open gets its JSON constraint (and a
+    forced call its grammar) from the token after </think>; with thinking off (closed in the prompt) from the first
+    token."""
     engine = ScriptedEngine(tokenizer, script="{}")
     client = make_client(engine)
     body = {"messages": [{"role": "user", "content": "JSON?"}], "response_format": {"type": "json_object"}}
     assert client.post("/v1/chat/completions", json=body).status_code == 200
     assert client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": False}}
                        ).status_code == 200
-    forced = {"messages": body["messages"], "tools": TOOLS, "tool_choice": "required"}
+    forced = {"messages": body["messages"], "tools": TOOLS, "tool_choice": "required", "max_tokens": 1}
     assert client.post("/v1/chat/completions", json=forced).status_code == 200
     think_end = tokenizer.convert_tokens_to_ids("</think>")
-    assert [p.structured_outputs_wait_for for p in engine.params] == [think_end, None, None]
+    assert [p.structured_outputs_wait_for for p in engine.params] == [think_end, None, think_end]
     assert engine.params[0].structured_outputs.json_object and engine.params[2].structured_outputs.grammar

@@ -21,8 +21,11 @@ TOOL_CALL_OPENINGS = {
 TOOL_CALL_OPENINGS["qwen3_xml"] = TOOL_CALL_OPENINGS["qwen3_coder"]  # the same format, vLLM's other parser of it
 
 
-def forced_call_grammar(parser: str, tools: list[dict], name: str | None, repeat: bool = False) -> str:
-    """The Lark grammar (llguidance's dialect) of what a forced call's opening (TOOL_CALL_OPENINGS) leaves to the model:
+def forced_call_grammar(parser: str, tools: list[dict], name: str | None, repeat: bool = False,
+                        lead: str | None = None) -> str:
+    """The Lark grammar (llguidance's dialect) of what a forced call's opening (TOOL_CALL_OPENINGS) leaves to the model
+    (with `lead`, the opening itself comes first, after optional blank space: the grammar of the whole call, for a
+    model that thinks before it; else the prompt holds the opening):
     for `name` its arguments, else (tool_choice "required" over several tools) a tool's name and then its arguments,
     up to the call's end; with `repeat` ("required", parallel calls allowed: vLLM's one or more) further calls to any
     of the tools may follow, until the model ends its turn. `tools` are the request's function definitions ({"name",
@@ -48,6 +51,9 @@ def forced_call_grammar(parser: str, tools: list[dict], name: str | None, repeat
     if name is not None:
         rules.append(f"named_call: {arguments(len(schemas), name)}")
     first = "any_call" if name is None else "named_call"
+    if lead is not None:
+        rules += ["LEAD_SPACE: /[ \\n]+/", f"opened_call: LEAD_SPACE? {_lark(lead)} {first}"]
+        first = "opened_call"
     if not repeat:
         rules.append(f"start: {first}")
     elif hermes:  # each call closes itself; the next opens after a newline, or the turn ends

@@ -33,11 +33,12 @@ class ChatChoiceParser:
     """
 
     def __init__(self, request: ChatCompletionRequest, reasoning_parser=None, tool_parser=None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", forced: bool = False) -> None:
         self.request = request
         self.reasoning_parser = reasoning_parser
         self.tool_parser = tool_parser
         self.prefix = prefix
+        self.forced = forced or bool(prefix)  # tool_choice required / named: a reply must call a given tool
         self.in_reasoning = reasoning_parser is not None and not prefix
         self.text, self.token_ids = "", []  # the whole output so far
         self.content_text, self.content_ids = "", []  # what the tool parser has seen
@@ -134,17 +135,27 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request | None = None):
         """A ChatCompletionResponse, or an SSEResponse when `stream` is set."""
         model = self.admit(request)
-        prefix = self._check_tool_choice(request)
-        prompt_text = self._render(request, prefix)
-        prompt_ids = self.truncate_prompt(request, await self.tokenize(prompt_text, request.add_special_tokens))
+        opening = self._check_tool_choice(request)
+        prompt_text = self._render(request)
+        prompt_ids = await self.tokenize(prompt_text, request.add_special_tokens)
+        # A reasoning model whose prompt leaves the thinking open thinks first, then every constraint (a forced call's
+        # too, opening included: vLLM's order) holds from the token after its end; else a forced call's opening goes
+        # into the prompt (`prefix`, which the model continues).
+        thinking_end = self._reasoning_end_token(request, prompt_ids)
+        prefix = opening if thinking_end is None else ""
+        if prefix:
+            prompt_text += prefix
+            prompt_ids += self.tokenizer.encode(prefix, add_special_tokens=False)
+        prompt_ids = self.truncate_prompt(request, prompt_ids)
         self.check_waiting_limit()
         params = self.sampling_params(request, len(prompt_ids), "messages")
-        if prefix:  # one forced call, held to the tools' schemas; its grammar's end ends the request
-            params.structured_outputs = self._forced_call_grammar(request)
-        elif params.structured_outputs is not None:
-            params.structured_outputs_wait_for = self._reasoning_end_token(request, prompt_ids)
+        if opening:  # one forced call (or more: required), held to the tools' schemas; its grammar's end ends it
+            params.structured_outputs = self._forced_call_grammar(request, lead=None if prefix else opening)
+        if params.structured_outputs is not None:
+            params.structured_outputs_wait_for = thinking_end
         request_id = self.response_id("chatcmpl", request, raw_request)
-        parsers = [self._choice_parser(request, prompt_ids, prefix) for _ in range(request.n or 1)]
+        parsers = [self._choice_parser(request, prompt_ids, prefix, forced=bool(opening))
+                   for _ in range(request.n or 1)]
         stream = await self.add(request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params,
                                 "messages", request.structured_outputs_field or "tool_choice")
         if request.stream:
@@ -182,9 +193,10 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise OpenAIError(str(e), 400, param="tools") from None
 
-    def _forced_call_grammar(self, request: ChatCompletionRequest) -> StructuredOutputsParams:
-        """`required` / named tool_choice: the grammar that holds the rest of the forced call to the tools' schemas
-        (the name to one of them, the arguments to its parameters), as vLLM's guided decoding does."""
+    def _forced_call_grammar(self, request: ChatCompletionRequest, lead: str | None) -> StructuredOutputsParams:
+        """`required` / named tool_choice: the grammar that holds the forced call to the tools' schemas (the name to one
+        of them, the arguments to its parameters), as vLLM's guided decoding does; from the opening `lead` on, or
+        (None) from after the opening the prompt holds."""
         if request.structured_outputs_field is not None:
             raise OpenAIError(f"tool_choice {request._tool_choice_text()} already constrains the output to a tool "
                               f"call; {request.structured_outputs_field} cannot be given with it.", 400,
@@ -198,7 +210,7 @@ class OpenAIServingChat(OpenAIServing):
         # "required": one call or more (vLLM's), unless parallel calls are off; a named function: that one call
         repeat = isinstance(choice, str) and request.parallel_tool_calls is not False
         try:
-            grammar = forced_call_grammar(self.options.tool_call_parser, definitions, name, repeat)
+            grammar = forced_call_grammar(self.options.tool_call_parser, definitions, name, repeat, lead)
         except ValueError as e:
             raise OpenAIError(str(e), 400, param="tools") from None
         return StructuredOutputsParams(grammar=grammar)
@@ -211,7 +223,7 @@ class OpenAIServingChat(OpenAIServing):
         parser = self.reasoning_parser_cls(self.tokenizer, request.chat_template_kwargs)
         return None if parser.is_reasoning_end(prompt_ids) else getattr(parser, "end_token_id", None)
 
-    def _render(self, request: ChatCompletionRequest, prefix: str) -> str:
+    def _render(self, request: ChatCompletionRequest) -> str:
         if request.chat_template is not None and not self.options.trust_request_chat_template:
             raise OpenAIError("Chat template is passed with request, but --trust-request-chat-template is not "
                               "set. Refused request with untrusted chat template.", 400, param="chat_template")
@@ -227,19 +239,10 @@ class OpenAIServingChat(OpenAIServing):
                            continue_final_message=request.continue_final_message,
                            documents=getattr(request, "documents", None),
                            chat_template_kwargs=request.chat_template_kwargs)
-        if prefix:
-            text += self._close_reasoning(request, text) + prefix
         return text
 
-    def _close_reasoning(self, request: ChatCompletionRequest, prompt_text: str) -> str:
-        """A forced call goes after the reasoning: close a `<think>` the prompt left open."""
-        if self.reasoning_parser_cls is None:
-            return ""
-        parser = self.reasoning_parser_cls(self.tokenizer, request.chat_template_kwargs)
-        ended = parser.is_reasoning_end(self.tokenizer.encode(prompt_text, add_special_tokens=False))
-        return "" if ended else "\n</think>\n\n"
-
-    def _choice_parser(self, request: ChatCompletionRequest, prompt_ids: list[int], prefix: str) -> ChatChoiceParser:
+    def _choice_parser(self, request: ChatCompletionRequest, prompt_ids: list[int], prefix: str,
+                       forced: bool = False) -> ChatChoiceParser:
         reasoning = None
         if self.reasoning_parser_cls is not None and not prefix:
             reasoning = self.reasoning_parser_cls(self.tokenizer, request.chat_template_kwargs)
@@ -250,7 +253,7 @@ class OpenAIServingChat(OpenAIServing):
         tool = None
         if self.tool_parser_cls is not None and request.tools and request.tool_choice != "none":
             tool = self.tool_parser_cls(self.tokenizer)
-        return ChatChoiceParser(request, reasoning, tool, prefix)
+        return ChatChoiceParser(request, reasoning, tool, prefix, forced)
 
     def _echo(self, request: ChatCompletionRequest) -> str:
         """`echo`: the last message's text (content parts joined, as rendered) when it is the assistant's."""
@@ -295,7 +298,7 @@ class OpenAIServingChat(OpenAIServing):
         makes every finished call parse; one cut short by max_tokens is returned as it is, with finish_reason
         "length" (as vLLM)."""
         known = {tool.function.name for tool in request.tools or []}
-        if parser.prefix and finish_reason != "length" and (not names or not set(names) <= known):
+        if parser.forced and finish_reason != "length" and (not names or not set(names) <= known):
             raise OpenAIError(f"tool_choice {request._tool_choice_text()} requires a tool call, but the model's "
                               f"output could not be parsed as a call to one of the given tools.", 500)
 

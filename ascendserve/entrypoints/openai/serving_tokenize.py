@@ -13,7 +13,7 @@ class OpenAIServingTokenization(OpenAIServing):
         """Token ids of a prompt, or of messages rendered like /v1/chat/completions renders them."""
         self.models.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            text = chat._render(request, "")
+            text = chat._render(request)
         else:
             text = request.prompt
         ids = await self.tokenize(text, request.add_special_tokens)
