@@ -37,6 +37,17 @@ class SchedulerStats:
 
 
 @dataclass
+class RequestStateStats:
+    """The timings of one sequence while it runs (vLLM's RequestStateStats). Each child of an `n` request has its own:
+    vLLM counts every child as a request of its own in every metric."""
+
+    arrival_time: float
+    num_generation_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
 class FinishedRequestStats:
     """One finished sequence."""
 
@@ -49,13 +60,36 @@ class FinishedRequestStats:
 
 @dataclass
 class IterationStats:
-    """What one engine step produced."""
+    """What one engine step produced (the output processor fills it as it handles the step's updates)."""
 
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+
+    def update_from_output(self, req: RequestStateStats, num_new_tokens: int, num_prompt_tokens: int,
+                           now: float) -> None:
+        """A sequence's new tokens: its first output gives the TTFT and counts its prompt, each later one an
+        inter-token latency."""
+        self.num_generation_tokens += num_new_tokens
+        if req.first_token_time is None:
+            self.num_prompt_tokens += num_prompt_tokens
+            self.time_to_first_tokens.append(now - req.arrival_time)
+            req.first_token_time = now
+        else:
+            self.inter_token_latencies.append(now - req.last_token_time)
+        req.last_token_time = now
+        req.num_generation_tokens += num_new_tokens
+
+    def update_from_finished_request(self, req: RequestStateStats, finish_reason: str, num_prompt_tokens: int,
+                                     first_scheduled_time: float | None, now: float) -> None:
+        """A sequence that finished at `now` (never scheduled: its whole life was queueing)."""
+        scheduled = first_scheduled_time if first_scheduled_time is not None else now
+        self.finished.append(FinishedRequestStats(
+            finish_reason=finish_reason, e2e_latency=now - req.arrival_time,
+            queue_time=max(scheduled - req.arrival_time, 0.0), num_prompt_tokens=num_prompt_tokens,
+            num_generation_tokens=req.num_generation_tokens))
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:

@@ -121,7 +121,6 @@ class FailingEngine:
         self.config = SimpleNamespace(max_model_len=100, args=EngineArgs())
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
         self.kv_cache_manager = SimpleNamespace(usage=lambda: 0.0, num_queries=0, num_hits=0)
-        self.output_processor = SimpleNamespace(parents={})
         self.requests: list[str] = []
         self.fail_at, self.steps = fail_at, 0
         self.seen_by_step: list[int] = []  # requests present at each step
@@ -130,14 +129,11 @@ class FailingEngine:
     def add_request(self, request_id, prompt, params, arrival_time=None):
         self.thread_ids.add(threading.get_ident())
         self.requests.append(request_id)
-        child = SimpleNamespace(num_output_tokens=0, num_prompt_tokens=1, first_scheduled_time=None)
-        self.output_processor.parents[request_id] = SimpleNamespace(children=[SimpleNamespace(request=child)],
-                                                                    num_output_tokens=0)
 
     def has_unfinished_requests(self):
         return bool(self.requests)
 
-    def step(self):
+    def step(self, iteration_stats=None):
         self.thread_ids.add(threading.get_ident())
         self.steps += 1
         self.seen_by_step.append(len(self.requests))
@@ -147,7 +143,7 @@ class FailingEngine:
         return [RequestOutput(r, None, [1], [CompletionOutput(0, "x", [7], None, None)], False)
                 for r in self.requests]
 
-    def abort_request(self, request_ids):
+    def abort_request(self, request_ids, iteration_stats=None):
         self.requests = [r for r in self.requests if r not in request_ids]
         return []
 
@@ -338,12 +334,16 @@ def test_num_waiting_counts_every_sequence_the_kv_cache_holds_back():
     assert stats.num_running < 6 and waiting == 6 - stats.num_running
 
 
+def sample(llm: AsyncLLM, name: str, **labels) -> float:
+    """One sample of the engine's metrics registry (0.0 while absent)."""
+    return llm.metrics.registry.get_sample_value(name, {"model_name": "demo", **labels}) or 0.0
+
+
 def test_metrics_count_each_child_of_n_under_its_own_finish_reason(llm):
     """n=4 children that finish at different steps: each is counted as stop or length in request_success_total; the
     last output (DELTA) holds only the children that finished in its step, and the others were counted as aborts."""
     def count(reason: str) -> float:
-        return llm.metrics.registry.get_sample_value(
-            "vllm:request_success_total", {"model_name": "demo", "finished_reason": reason}) or 0.0
+        return sample(llm, "vllm:request_success_total", finished_reason=reason)
 
     async def run():
         params = SamplingParams(n=4, seed=3, temperature=1.0, max_tokens=40, stop=["\n"],
@@ -358,3 +358,27 @@ def test_metrics_count_each_child_of_n_under_its_own_finish_reason(llm):
         "the children should finish in different steps for this test to mean anything"
     after = {reason: count(reason) for reason in ("stop", "length", "abort")}
     assert {r: after[r] - before[r] for r in after} == {r: float(reasons.count(r)) for r in ("stop", "length", "abort")}
+
+
+def test_metrics_count_each_child_of_n_as_a_request(llm):
+    """vLLM V1 counts every child of an `n` request as a request of its own: its prompt in prompt_tokens, one TTFT,
+    one inter-token latency per later token, one e2e latency each (was: the prompt and the TTFT once per parent, one
+    inter-token latency per parent step)."""
+    names = ["vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_prompt_tokens_count",
+             "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+             "vllm:e2e_request_latency_seconds_count"]
+    before = {name: sample(llm, name) for name in names}
+    params = SamplingParams(n=3, seed=1, temperature=1.0, max_tokens=5, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def run():
+        outputs = [o async for o in llm.generate("Once upon a time", params, "n3")]
+        await wait_idle(llm)
+        return outputs[-1]
+    final = asyncio.run(run())
+    assert [len(c.token_ids) for c in final.outputs] == [5, 5, 5]
+    prompt_len = len(final.prompt_token_ids)
+    assert {name: sample(llm, name) - before[name] for name in names} == {
+        "vllm:prompt_tokens_total": 3 * prompt_len, "vllm:generation_tokens_total": 15,
+        "vllm:request_prompt_tokens_count": 3, "vllm:time_to_first_token_seconds_count": 3,
+        "vllm:inter_token_latency_seconds_count": 12, "vllm:e2e_request_latency_seconds_count": 3}
