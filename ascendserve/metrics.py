@@ -1,15 +1,18 @@
-"""Prometheus metrics with vLLM's names (`vllm:*`, label `model_name`) and the periodic stats log line.
+"""Prometheus metrics with vLLM's names (`vllm:*`, labels `model_name` and `engine`) and the periodic stats log line.
 
 Each server owns one `EngineMetrics` with its own CollectorRegistry, so two servers (or two engines)
-in one process never share a counter. The engine thread calls `record()` after every step; the
-server's `/metrics` endpoint renders `registry`; `log()` prints vLLM's throughput line.
+in one process never share a counter; the registry also holds the process and Python collectors that
+vLLM's /metrics shows from prometheus_client's global registry (process_*, python_*). The engine thread
+calls `record()` after every step; the server's `/metrics` endpoint renders `registry`; `log()` prints
+vLLM's throughput line.
 """
 
 import threading
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
+                               Histogram, disable_created_metrics)
 
 from ascendserve.logger import init_logger
 
@@ -107,39 +110,51 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 KV_CACHE_PLACES = {"cpu": "CPU", "cuda": "GPU", "npu": "NPU"}  # torch device type -> the log line's word
 
 
+def default_registry() -> CollectorRegistry:
+    """A registry of its own with what prometheus_client's global one starts with: the process_* (Linux), python_info
+    and python_gc_* collectors. They read the process and the interpreter, so one instance in each registry is as
+    good as the global one."""
+    registry = CollectorRegistry()
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry
+
+
 class EngineMetrics:
-    """The `vllm:*` metrics of one served model, in a registry of its own."""
+    """The `vllm:*` metrics of one served model, in a registry of its own (`engine_index` is vLLM's `engine` label:
+    "0" for the one engine core a server runs)."""
 
     def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
-                 device_type: str = "cuda") -> None:
+                 device_type: str = "cuda", engine_index: int = 0) -> None:
         disable_created_metrics()  # no `*_created` series, as vLLM (a process-wide switch of prometheus_client)
-        self.registry = registry or CollectorRegistry()
+        self.registry = registry or default_registry()
         self.model_name = model_name
+        self.engine_index = engine_index
         # The log line names where the KV cache lives, as vLLM's CPU build says "CPU KV cache usage"
         self.kv_cache_place = KV_CACHE_PLACES.get(device_type, device_type.upper())
-        labels, r = ["model_name"], self.registry
+        labels, values, r = ["model_name", "engine"], [model_name, str(engine_index)], self.registry
 
         def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=r).labels(model_name)
+            return Gauge(name, doc, labels, registry=r).labels(*values)
 
         def counter(name, doc):
-            return Counter(name, doc, labels, registry=r).labels(model_name)
+            return Counter(name, doc, labels, registry=r).labels(*values)
 
         def histogram(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
 
         self.num_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.num_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
-        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                labels + ["finished_reason"], registry=r)
-        for reason in ("stop", "length", "abort"):
-            self._success.labels(model_name, reason)
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          labels + ["finished_reason"], registry=r)
+        self._success = {reason: success.labels(*values, reason) for reason in ("stop", "length", "abort")}
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               _TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
@@ -179,7 +194,7 @@ class EngineMetrics:
         for value in iteration.inter_token_latencies:
             self.itl.observe(value)
         for f in iteration.finished:
-            self._success.labels(self.model_name, f.finish_reason).inc()
+            self._success[f.finish_reason].inc()
             self.e2e.observe(f.e2e_latency)
             self.queue_time.observe(f.queue_time)
             self.request_prompt_tokens.observe(f.num_prompt_tokens)

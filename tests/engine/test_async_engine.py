@@ -336,7 +336,7 @@ def test_num_waiting_counts_every_sequence_the_kv_cache_holds_back():
 
 def sample(llm: AsyncLLM, name: str, **labels) -> float:
     """One sample of the engine's metrics registry (0.0 while absent)."""
-    return llm.metrics.registry.get_sample_value(name, {"model_name": "demo", **labels}) or 0.0
+    return llm.metrics.registry.get_sample_value(name, {"model_name": "demo", "engine": "0", **labels}) or 0.0
 
 
 def test_metrics_count_each_child_of_n_under_its_own_finish_reason(llm):

@@ -267,8 +267,10 @@ def test_metrics_present_and_moving(server):
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
                  "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count"]:
         assert name in names, name
-    assert all('model_name="demo"' in k for k in before)
+    assert all('model_name="demo"' in k and 'engine="0"' in k for k in before)
     assert not [k for k in before if k.split("{")[0].endswith("_created")]  # vLLM exports none
+    text = httpx.get(server.url + "/metrics", timeout=30).text  # and the process / Python series of vLLM's registry
+    assert "\nprocess_resident_memory_bytes " in text and "\npython_info{" in text
     server.client().completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=4, temperature=0,
                                        extra_body={"ignore_eos": True})
     after = wait_until_idle(server)
