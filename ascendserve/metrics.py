@@ -25,6 +25,8 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 20.0, 40.0, 80.0]
 _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+_ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+_N_BUCKETS = [1, 2, 5, 10, 20]
 
 
 @dataclass
@@ -52,13 +54,20 @@ class RequestStateStats:
 
 @dataclass
 class FinishedRequestStats:
-    """One finished sequence."""
+    """One finished sequence. Its phases, as vLLM's: queue = arrival -> first scheduled, prefill = first scheduled ->
+    first token, decode = first token -> last token, inference = first scheduled -> last token (prefill + decode, with
+    any preemption inside them); a sequence with no token has prefill and decode 0 and inference up to its finish."""
 
     finish_reason: str
     e2e_latency: float
     queue_time: float
+    prefill_time: float
+    decode_time: float
+    inference_time: float
+    mean_time_per_output_token: float  # decode time / (tokens - 1): the first token is the prefill's
     num_prompt_tokens: int
     num_generation_tokens: int
+    max_tokens_param: int | None
 
 
 @dataclass
@@ -70,6 +79,10 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    # Per finished user request (once for its `n` children): n, and the most tokens one of its children generated
+    n_params: list[int] = field(default_factory=list)
+    max_num_generation_tokens: list[int] = field(default_factory=list)
+    engine_step: bool = False  # a model step ran (an idle or abort-only publish gives no iteration_tokens sample)
 
     def update_from_output(self, req: RequestStateStats, num_new_tokens: int, num_prompt_tokens: int,
                            now: float) -> None:
@@ -86,13 +99,26 @@ class IterationStats:
         req.num_generation_tokens += num_new_tokens
 
     def update_from_finished_request(self, req: RequestStateStats, finish_reason: str, num_prompt_tokens: int,
-                                     first_scheduled_time: float | None, now: float) -> None:
+                                     max_tokens_param: int | None, first_scheduled_time: float | None,
+                                     now: float) -> None:
         """A sequence that finished at `now` (never scheduled: its whole life was queueing)."""
         scheduled = first_scheduled_time if first_scheduled_time is not None else now
+        first = req.first_token_time if req.first_token_time is not None else scheduled
+        last = req.last_token_time if req.last_token_time is not None else now
+        decode = last - first if req.first_token_time is not None else 0.0
+        num_decoded = req.num_generation_tokens - 1
         self.finished.append(FinishedRequestStats(
             finish_reason=finish_reason, e2e_latency=now - req.arrival_time,
-            queue_time=max(scheduled - req.arrival_time, 0.0), num_prompt_tokens=num_prompt_tokens,
-            num_generation_tokens=req.num_generation_tokens))
+            queue_time=max(scheduled - req.arrival_time, 0.0), prefill_time=max(first - scheduled, 0.0),
+            decode_time=decode, inference_time=max(last - scheduled, 0.0),
+            mean_time_per_output_token=decode / num_decoded if num_decoded > 0 else 0.0,
+            num_prompt_tokens=num_prompt_tokens, num_generation_tokens=req.num_generation_tokens,
+            max_tokens_param=max_tokens_param))
+
+    def update_from_finished_parent(self, n: int, max_num_generation_tokens: int) -> None:
+        """A user request whose `n` children have all finished."""
+        self.n_params.append(n)
+        self.max_num_generation_tokens.append(max_num_generation_tokens)
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -159,15 +185,37 @@ class EngineMetrics:
                               _TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                              _ITL_BUCKETS)
+        # vLLM 0.11 still serves the per-token histogram under its old name too
+        self.time_per_output_token = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+            _ITL_BUCKETS)
+        self.request_time_per_output_token = histogram("vllm:request_time_per_output_token_seconds",
+                                                       "Histogram of time_per_output_token_seconds per request.",
+                                                       _ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              _LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", _LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", _LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", _LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", _LATENCY_BUCKETS)
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
                                                "Number of prefill tokens processed.", token_buckets)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.", token_buckets)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.", _ITERATION_TOKEN_BUCKETS)
+        self.max_num_generation_tokens = histogram("vllm:request_max_num_generation_tokens",
+                                                   "Histogram of maximum number of requested generation tokens.",
+                                                   token_buckets)
+        self.params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
+        self.params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.", token_buckets)
         self._last = SchedulerStats()  # counters already exported
         self._log_prompt_tokens = 0
         self._log_generation_tokens = 0
@@ -189,16 +237,31 @@ class EngineMetrics:
         with self._lock:
             self._log_prompt_tokens += iteration.num_prompt_tokens
             self._log_generation_tokens += iteration.num_generation_tokens
+        if iteration.engine_step:
+            self.iteration_tokens.observe(iteration.num_prompt_tokens + iteration.num_generation_tokens)
         for value in iteration.time_to_first_tokens:
             self.ttft.observe(value)
         for value in iteration.inter_token_latencies:
             self.itl.observe(value)
-        for f in iteration.finished:
-            self._success[f.finish_reason].inc()
-            self.e2e.observe(f.e2e_latency)
-            self.queue_time.observe(f.queue_time)
-            self.request_prompt_tokens.observe(f.num_prompt_tokens)
-            self.request_generation_tokens.observe(f.num_generation_tokens)
+            self.time_per_output_token.observe(value)
+        for n, max_num_generation_tokens in zip(iteration.n_params, iteration.max_num_generation_tokens):
+            self.params_n.observe(n)
+            self.max_num_generation_tokens.observe(max_num_generation_tokens)
+        for finished in iteration.finished:
+            self._record_finished(finished)
+
+    def _record_finished(self, f: FinishedRequestStats) -> None:
+        self._success[f.finish_reason].inc()
+        self.e2e.observe(f.e2e_latency)
+        self.queue_time.observe(f.queue_time)
+        self.prefill_time.observe(f.prefill_time)
+        self.decode_time.observe(f.decode_time)
+        self.inference_time.observe(f.inference_time)
+        self.request_time_per_output_token.observe(f.mean_time_per_output_token)
+        self.request_prompt_tokens.observe(f.num_prompt_tokens)
+        self.request_generation_tokens.observe(f.num_generation_tokens)
+        if f.max_tokens_param:
+            self.params_max_tokens.observe(f.max_tokens_param)
 
     @staticmethod
     def _inc(counter, amount: float) -> None:

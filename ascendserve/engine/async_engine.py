@@ -209,6 +209,7 @@ class AsyncLLM:
             self._await_arrivals()
             return
         deliveries = self._route(self.engine.step(self._iteration))
+        self._iteration.engine_step = True
         self._publish(time.time())  # before delivering: a caller that sees its output sees it counted too
         _deliver_all(deliveries)
 

@@ -123,10 +123,15 @@ class OutputProcessor:
 
     def _finish(self, parent: _ParentState, child: _ChildState, reason: str | None, stop_reason: int | str | None,
                 iteration_stats: IterationStats | None, now: float) -> None:
-        if parent.finish(child, reason, stop_reason) and iteration_stats is not None:
-            request = child.request
-            iteration_stats.update_from_finished_request(child.stats, reason, request.num_prompt_tokens,
-                                                         request.first_scheduled_time, now)
+        """Record a child's finish; in `iteration_stats` the child, and the parent once its last child finished."""
+        if not parent.finish(child, reason, stop_reason) or iteration_stats is None:
+            return
+        request = child.request
+        iteration_stats.update_from_finished_request(child.stats, reason, request.num_prompt_tokens, request.max_tokens,
+                                                     request.first_scheduled_time, now)
+        if parent.finished():
+            iteration_stats.update_from_finished_parent(
+                len(parent.children), max(c.stats.num_generation_tokens for c in parent.children))
 
     def _apply(self, state: _ChildState, update: RequestUpdate, row, iteration_stats: IterationStats | None,
                now: float) -> bool:

@@ -382,3 +382,37 @@ def test_metrics_count_each_child_of_n_as_a_request(llm):
         "vllm:prompt_tokens_total": 3 * prompt_len, "vllm:generation_tokens_total": 15,
         "vllm:request_prompt_tokens_count": 3, "vllm:time_to_first_token_seconds_count": 3,
         "vllm:inter_token_latency_seconds_count": 12, "vllm:e2e_request_latency_seconds_count": 3}
+
+
+def test_metrics_request_phases_params_and_step_tokens(llm):
+    """vLLM's request histograms: each child's phases (prefill, decode, inference, its mean time per output token) and
+    its max_tokens; n and the longest child once per user request; one iteration_tokens_total sample per engine step,
+    its prompt and generated tokens."""
+    names = ["vllm:request_params_n_count", "vllm:request_params_n_sum", "vllm:request_max_num_generation_tokens_sum",
+             "vllm:request_params_max_tokens_count", "vllm:request_params_max_tokens_sum",
+             "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+             "vllm:request_decode_time_seconds_sum", "vllm:request_inference_time_seconds_count",
+             "vllm:request_time_per_output_token_seconds_count", "vllm:request_time_per_output_token_seconds_sum",
+             "vllm:time_per_output_token_seconds_count", "vllm:iteration_tokens_total_count",
+             "vllm:iteration_tokens_total_sum"]
+    before = {name: sample(llm, name) for name in names}
+    params = SamplingParams(n=2, seed=1, temperature=1.0, max_tokens=6, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def run():
+        outputs = [o async for o in llm.generate("Once upon a time", params, "phases")]
+        await wait_idle(llm)
+        return outputs[-1]
+    final = asyncio.run(run())
+    delta = {name: sample(llm, name) - before[name] for name in names}
+    assert (delta["vllm:request_params_n_count"], delta["vllm:request_params_n_sum"]) == (1, 2)
+    assert delta["vllm:request_max_num_generation_tokens_sum"] == 6
+    assert (delta["vllm:request_params_max_tokens_count"], delta["vllm:request_params_max_tokens_sum"]) == (2, 12)
+    for phase in ("prefill", "decode", "inference"):
+        assert delta[f"vllm:request_{phase}_time_seconds_count"] == 2, phase
+    assert delta["vllm:request_time_per_output_token_seconds_count"] == 2
+    assert delta["vllm:request_time_per_output_token_seconds_sum"] == pytest.approx(
+        delta["vllm:request_decode_time_seconds_sum"] / 5)
+    assert delta["vllm:time_per_output_token_seconds_count"] == 10  # per token after each child's first
+    assert delta["vllm:iteration_tokens_total_count"] >= 6  # the prefill step, then 5 decode steps
+    assert delta["vllm:iteration_tokens_total_sum"] == 2 * len(final.prompt_token_ids) + 12

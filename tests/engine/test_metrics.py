@@ -2,7 +2,7 @@
 
 from prometheus_client import generate_latest
 
-from ascendserve.metrics import EngineMetrics
+from ascendserve.metrics import EngineMetrics, IterationStats, RequestStateStats, SchedulerStats
 
 
 def render(metrics: EngineMetrics) -> str:
@@ -39,3 +39,59 @@ def test_each_registry_has_the_process_and_python_collectors():
         for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "python_info",
                      "python_gc_objects_collected_total"):
             assert f"\n{name}" in text, name
+
+
+def sample(metrics: EngineMetrics, name: str) -> float:
+    """One sample of engine 0's series (0.0 while absent)."""
+    return metrics.registry.get_sample_value(name, {"model_name": "m", "engine": "0"}) or 0.0
+
+
+def test_a_sequences_phases_as_vllm_measures_them():
+    """Arrives at 100, first scheduled at 101, tokens at 101.5, 102 and 103.5: queue 1, prefill 0.5 (scheduled -> first
+    token), decode 2 (first -> last token), inference 2.5 (scheduled -> last token), 1 s per output token after the
+    first; TTFT 1.5 and inter-token latencies 0.5 and 1.5."""
+    it = IterationStats()
+    req = RequestStateStats(arrival_time=100.0)
+    for now in (101.5, 102.0, 103.5):
+        it.update_from_output(req, 1, 7, now)
+    it.update_from_finished_request(req, "length", 7, 3, first_scheduled_time=101.0, now=103.5)
+    f = it.finished[0]
+    assert (f.e2e_latency, f.queue_time, f.prefill_time, f.decode_time, f.inference_time,
+            f.mean_time_per_output_token) == (3.5, 1.0, 0.5, 2.0, 2.5, 1.0)
+    assert (f.num_prompt_tokens, f.num_generation_tokens, f.max_tokens_param) == (7, 3, 3)
+    assert (it.num_prompt_tokens, it.num_generation_tokens) == (7, 3)
+    assert (it.time_to_first_tokens, it.inter_token_latencies) == ([1.5], [0.5, 1.5])
+
+
+def test_a_sequence_aborted_before_it_ran_only_queued():
+    it = IterationStats()
+    it.update_from_finished_request(RequestStateStats(arrival_time=10.0), "abort", 5, 16, None, now=12.0)
+    f = it.finished[0]
+    assert (f.e2e_latency, f.queue_time, f.prefill_time, f.decode_time, f.inference_time,
+            f.mean_time_per_output_token) == (2.0, 2.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_record_exports_vllms_request_and_step_histograms():
+    metrics = EngineMetrics("m", 2048)
+    it = IterationStats(num_prompt_tokens=7, num_generation_tokens=3, inter_token_latencies=[0.5, 1.5],
+                        engine_step=True)
+    req = RequestStateStats(arrival_time=100.0, num_generation_tokens=3, first_token_time=101.5, last_token_time=103.5)
+    it.update_from_finished_request(req, "length", 7, 16, first_scheduled_time=101.0, now=103.5)
+    it.update_from_finished_parent(n=2, max_num_generation_tokens=3)
+    metrics.record(SchedulerStats(), it)
+    metrics.record(SchedulerStats(), IterationStats())  # an idle publish: no step, no iteration_tokens sample
+    assert {name: sample(metrics, name) for name in [
+        "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+        "vllm:request_inference_time_seconds_sum", "vllm:request_time_per_output_token_seconds_sum",
+        "vllm:time_per_output_token_seconds_count", "vllm:time_per_output_token_seconds_sum",
+        "vllm:request_params_n_sum", "vllm:request_max_num_generation_tokens_sum", "vllm:request_params_max_tokens_sum",
+        "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum"]} == {
+        "vllm:request_prefill_time_seconds_sum": 0.5, "vllm:request_decode_time_seconds_sum": 2.0,
+        "vllm:request_inference_time_seconds_sum": 2.5, "vllm:request_time_per_output_token_seconds_sum": 1.0,
+        "vllm:time_per_output_token_seconds_count": 2, "vllm:time_per_output_token_seconds_sum": 2.0,
+        "vllm:request_params_n_sum": 2, "vllm:request_max_num_generation_tokens_sum": 3,
+        "vllm:request_params_max_tokens_sum": 16, "vllm:iteration_tokens_total_count": 1,
+        "vllm:iteration_tokens_total_sum": 10}
+    helps = help_texts(render(metrics))
+    assert helps["vllm:request_time_per_output_token_seconds"] == "Histogram of time_per_output_token_seconds per request."
+    assert helps["vllm:iteration_tokens_total"] == "Histogram of number of tokens per engine_step."

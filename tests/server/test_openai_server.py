@@ -265,7 +265,12 @@ def test_metrics_present_and_moving(server):
                  "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
-                 "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count"]:
+                 "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
+                 "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+                 "vllm:request_inference_time_seconds_count", "vllm:request_time_per_output_token_seconds_count",
+                 "vllm:time_per_output_token_seconds_count", "vllm:request_max_num_generation_tokens_count",
+                 "vllm:request_params_n_count", "vllm:request_params_max_tokens_count",
+                 "vllm:iteration_tokens_total_count"]:
         assert name in names, name
     assert all('model_name="demo"' in k and 'engine="0"' in k for k in before)
     assert not [k for k in before if k.split("{")[0].endswith("_created")]  # vLLM exports none
@@ -283,7 +288,14 @@ def test_metrics_present_and_moving(server):
     assert delta('vllm:request_success_total{finished_reason="length"') == 1
     assert delta("vllm:e2e_request_latency_seconds_count") == 1
     assert delta("vllm:inter_token_latency_seconds_count") == 3
+    assert delta("vllm:time_per_output_token_seconds_count") == 3
     assert delta("vllm:prefix_cache_queries_total") > 0
+    for name in ("request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds", "request_params_n"):
+        assert delta(f"vllm:{name}_count") == 1, name
+    assert delta("vllm:request_params_max_tokens_sum") == 4
+    assert delta("vllm:request_max_num_generation_tokens_sum") == 4
+    assert delta("vllm:iteration_tokens_total_sum") == delta("vllm:prompt_tokens_total") + 4
 
 
 def test_client_disconnect_mid_stream_frees_everything(server):
