@@ -223,6 +223,15 @@ class EngineMetrics:
         self._log_hits = (0, 0)
         self._lock = threading.Lock()  # record() runs on the engine thread, log() on the server's
 
+    def log_engine_initialized(self, cache_config: dict[str, str]) -> None:
+        """Export vllm:cache_config_info, vLLM's info metric: a gauge at 1 whose labels are the KV cache settings
+        (`cache_config`, as LLMEngine.cache_config_info() gives them) and `engine`; no model_name, as vLLM's."""
+        info = {**cache_config, "engine": str(self.engine_index)}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
+              registry=self.registry).labels(**info).set(1)
+        logger.info("Engine %03d: vllm cache_config_info with initialization after num_gpu_blocks is: %s",
+                    self.engine_index, cache_config.get("num_gpu_blocks"))
+
     def record(self, stats: SchedulerStats, iteration: IterationStats, now: float | None = None) -> None:
         """Export one step: gauges from the snapshot, counter deltas, and the step's latencies."""
         self.num_running.set(stats.num_running)

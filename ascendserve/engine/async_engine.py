@@ -66,6 +66,8 @@ class AsyncLLM:
             arrival_window_ms = engine.config.args.arrival_window_ms
         self.arrival_window_s = arrival_window_ms / 1000
         self.metrics = metrics  # ascendserve.metrics.EngineMetrics or None
+        if metrics is not None:
+            metrics.log_engine_initialized(engine.cache_config_info())
         self.tokenizer = engine.tokenizer
         self.config = engine.config
         self.dead_error: BaseException | None = None

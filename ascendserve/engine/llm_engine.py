@@ -69,6 +69,19 @@ class LLMEngine:
                     time.perf_counter() - start, config.served_model_name, config.dtype,
                     config.device, config.max_model_len)
 
+    def cache_config_info(self) -> dict[str, str]:
+        """The KV cache settings as vLLM's CacheConfig.metrics_info() gives them (its field names, values as str): the
+        labels of vllm:cache_config_info. vLLM V1 keeps no CPU blocks (num_cpu_blocks 0)."""
+        args = self.config.args
+        info = {"block_size": args.block_size, "gpu_memory_utilization": args.gpu_memory_utilization,
+                "cache_dtype": args.kv_cache_dtype, "is_attention_free": False,
+                "num_gpu_blocks_override": args.num_gpu_blocks_override,
+                "enable_prefix_caching": self.config.enable_prefix_caching,
+                "mamba_cache_dtype": args.mamba_cache_dtype, "mamba_ssm_cache_dtype": args.mamba_ssm_cache_dtype,
+                "num_gpu_blocks": self.kv_cache_manager.num_blocks, "num_cpu_blocks": 0,
+                "kv_cache_memory_bytes": args.kv_cache_memory_bytes}
+        return {key: str(value) for key, value in info.items()}
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         """Resolve the configuration and build the engine."""

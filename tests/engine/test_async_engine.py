@@ -416,3 +416,12 @@ def test_metrics_request_phases_params_and_step_tokens(llm):
     assert delta["vllm:time_per_output_token_seconds_count"] == 10  # per token after each child's first
     assert delta["vllm:iteration_tokens_total_count"] >= 6  # the prefill step, then 5 decode steps
     assert delta["vllm:iteration_tokens_total_sum"] == 2 * len(final.prompt_token_ids) + 12
+
+
+def test_metrics_cache_config_info(llm):
+    """vllm:cache_config_info carries the engine's KV cache settings as labels (vLLM's CacheConfig fields)."""
+    info = llm.engine.cache_config_info()
+    assert info["num_gpu_blocks"] == str(llm.engine.kv_cache_manager.num_blocks) != "0"
+    assert (info["block_size"], info["cache_dtype"], info["enable_prefix_caching"]) == ("16", "auto", "True")
+    assert info["kv_cache_memory_bytes"] == str(64 * 2**20) and info["gpu_memory_utilization"] == "0.9"
+    assert llm.metrics.registry.get_sample_value("vllm:cache_config_info", {**info, "engine": "0"}) == 1.0

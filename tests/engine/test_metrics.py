@@ -95,3 +95,13 @@ def test_record_exports_vllms_request_and_step_histograms():
     helps = help_texts(render(metrics))
     assert helps["vllm:request_time_per_output_token_seconds"] == "Histogram of time_per_output_token_seconds per request."
     assert helps["vllm:iteration_tokens_total"] == "Histogram of number of tokens per engine_step."
+
+
+def test_cache_config_info_is_a_gauge_at_1_labelled_with_the_settings():
+    metrics = EngineMetrics("m", 2048)
+    metrics.log_engine_initialized({"block_size": "16", "num_gpu_blocks": "2048", "enable_prefix_caching": "True",
+                                    "cache_dtype": "auto", "gpu_memory_utilization": "0.9"})
+    labels = {"block_size": "16", "num_gpu_blocks": "2048", "enable_prefix_caching": "True", "cache_dtype": "auto",
+              "gpu_memory_utilization": "0.9", "engine": "0"}
+    assert metrics.registry.get_sample_value("vllm:cache_config_info", labels) == 1.0
+    assert help_texts(render(metrics))["vllm:cache_config_info"] == "Information of the LLMEngine CacheConfig"

@@ -272,7 +272,10 @@ def test_metrics_present_and_moving(server):
                  "vllm:request_params_n_count", "vllm:request_params_max_tokens_count",
                  "vllm:iteration_tokens_total_count"]:
         assert name in names, name
-    assert all('model_name="demo"' in k and 'engine="0"' in k for k in before)
+    # vllm:cache_config_info has the cache settings and engine as labels, no model_name (as vLLM's)
+    assert all('model_name="demo"' in k and 'engine="0"' in k for k in before if "cache_config_info" not in k)
+    info = next(k for k in before if k.startswith("vllm:cache_config_info{"))
+    assert 'block_size="16"' in info and 'engine="0"' in info and 'num_gpu_blocks="' in info
     assert not [k for k in before if k.split("{")[0].endswith("_created")]  # vLLM exports none
     text = httpx.get(server.url + "/metrics", timeout=30).text  # and the process / Python series of vLLM's registry
     assert "\nprocess_resident_memory_bytes " in text and "\npython_info{" in text
