@@ -9,6 +9,7 @@ vLLM's throughput line.
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
@@ -37,6 +38,8 @@ class SchedulerStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+    # Prefix-cache lookups of first admissions: requests looked up, their tokens, the tokens found
+    prefix_cache_requests: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
@@ -119,6 +122,40 @@ class IterationStats:
         """A user request whose `n` children have all finished."""
         self.n_params.append(n)
         self.max_num_generation_tokens.append(max_num_generation_tokens)
+
+
+class PrefixCachingMetrics:
+    """The prefix cache hit rate over the most recent requests, as vLLM's log line shows it (its PrefixCachingMetrics).
+
+    Lookups arrive in batches of (requests, queried tokens, hit tokens), one per step; the oldest batches drop out
+    while more than `max_recent_requests` requests are held, the newest always stays. With 1000: batches of 600, 300
+    and 200 requests hold 1100, so the 600 drop out and the rate is that of the last 500. A step without lookups
+    changes nothing, so between bursts the rate stays that of the last requests (a per-interval rate fell to 0%).
+    """
+
+    def __init__(self, max_recent_requests: int = 1000) -> None:
+        self.max_recent_requests = max_recent_requests
+        self._batches: deque[tuple[int, int, int]] = deque()
+        self._requests = self._queries = self._hits = 0
+
+    def observe(self, requests: int, queries: int, hits: int) -> None:
+        """Add one step's lookups."""
+        if requests <= 0:
+            return
+        self._batches.append((requests, queries, hits))
+        self._requests += requests
+        self._queries += queries
+        self._hits += hits
+        while len(self._batches) > 1 and self._requests > self.max_recent_requests:
+            old_requests, old_queries, old_hits = self._batches.popleft()
+            self._requests -= old_requests
+            self._queries -= old_queries
+            self._hits -= old_hits
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens / queried tokens of the requests held (0.0 before any)."""
+        return self._hits / self._queries if self._queries else 0.0
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -220,7 +257,7 @@ class EngineMetrics:
         self._log_prompt_tokens = 0
         self._log_generation_tokens = 0
         self._log_time = time.monotonic()
-        self._log_hits = (0, 0)
+        self._prefix_cache = PrefixCachingMetrics()  # the log line's hit rate
         self._lock = threading.Lock()  # record() runs on the engine thread, log() on the server's
 
     def log_engine_initialized(self, cache_config: dict[str, str]) -> None:
@@ -240,6 +277,10 @@ class EngineMetrics:
         self._inc(self.preemptions, stats.num_preemptions - self._last.num_preemptions)
         self._inc(self.prefix_queries, stats.prefix_cache_queries - self._last.prefix_cache_queries)
         self._inc(self.prefix_hits, stats.prefix_cache_hits - self._last.prefix_cache_hits)
+        with self._lock:
+            self._prefix_cache.observe(stats.prefix_cache_requests - self._last.prefix_cache_requests,
+                                       stats.prefix_cache_queries - self._last.prefix_cache_queries,
+                                       stats.prefix_cache_hits - self._last.prefix_cache_hits)
         self._last = stats
         self._inc(self.prompt_tokens, iteration.num_prompt_tokens)
         self._inc(self.generation_tokens, iteration.num_generation_tokens)
@@ -278,22 +319,22 @@ class EngineMetrics:
             counter.inc(amount)
 
     def log(self, force: bool = False) -> str | None:
-        """Log vLLM's periodic line (throughput since the last call); skipped while fully idle."""
+        """Log vLLM's periodic line (throughput since the last call, the hit rate of the recent requests); skipped
+        while fully idle."""
         now = time.monotonic()
         elapsed = max(now - self._log_time, 1e-9)
         stats = self._last
         with self._lock:
             prompt, generation = self._log_prompt_tokens, self._log_generation_tokens
             self._log_prompt_tokens = self._log_generation_tokens = 0
-        queries = stats.prefix_cache_queries - self._log_hits[0]
-        hits = stats.prefix_cache_hits - self._log_hits[1]
-        self._log_time, self._log_hits = now, (stats.prefix_cache_queries, stats.prefix_cache_hits)
+            hit_rate = self._prefix_cache.hit_rate
+        self._log_time = now
         if not force and not (prompt or generation or stats.num_running or stats.num_waiting):
             return None
         line = (f"Engine 000: Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {generation / elapsed:.1f} tokens/s, "
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
                 f"{self.kv_cache_place} KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
-                f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
+                f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
         logger.info(line)
         return line

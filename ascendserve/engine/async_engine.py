@@ -290,7 +290,8 @@ class AsyncLLM:
         self._stats = SchedulerStats(
             num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
             kv_cache_usage=kv.usage(), num_preemptions=engine.scheduler.num_preemptions,
-            prefix_cache_queries=kv.num_queries, prefix_cache_hits=kv.num_hits)
+            prefix_cache_requests=kv.num_queried_requests, prefix_cache_queries=kv.num_queries,
+            prefix_cache_hits=kv.num_hits)
 
     def _publish(self, now: float) -> None:
         self._snapshot()

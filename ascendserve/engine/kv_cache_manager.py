@@ -23,7 +23,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of each request already indexed
-        # Prefix-cache lookups of first admissions (vllm:prefix_cache_queries / _hits): tokens looked up, found
+        # Prefix-cache lookups of first admissions (vllm:prefix_cache_queries / _hits): requests, tokens looked up,
+        # tokens found
+        self.num_queried_requests = 0
         self.num_queries = 0
         self.num_hits = 0
         # Re-admissions of preempted requests (recompute), counted apart as vLLM 0.11 does
@@ -70,6 +72,7 @@ class KVCacheManager:
             self.num_preempted_queries += request.num_tokens
             self.num_preempted_hits += num_hit_tokens
         else:
+            self.num_queried_requests += 1
             self.num_queries += request.num_tokens
             self.num_hits += num_hit_tokens
 

@@ -120,7 +120,7 @@ class FailingEngine:
         self.tokenizer = None
         self.config = SimpleNamespace(max_model_len=100, args=EngineArgs())
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
-        self.kv_cache_manager = SimpleNamespace(usage=lambda: 0.0, num_queries=0, num_hits=0)
+        self.kv_cache_manager = SimpleNamespace(usage=lambda: 0.0, num_queried_requests=0, num_queries=0, num_hits=0)
         self.requests: list[str] = []
         self.fail_at, self.steps = fail_at, 0
         self.seen_by_step: list[int] = []  # requests present at each step

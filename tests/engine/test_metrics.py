@@ -2,7 +2,7 @@
 
 from prometheus_client import generate_latest
 
-from ascendserve.metrics import EngineMetrics, IterationStats, RequestStateStats, SchedulerStats
+from ascendserve.metrics import EngineMetrics, IterationStats, PrefixCachingMetrics, RequestStateStats, SchedulerStats
 
 
 def render(metrics: EngineMetrics) -> str:
@@ -93,7 +93,8 @@ def test_record_exports_vllms_request_and_step_histograms():
         "vllm:request_params_max_tokens_sum": 16, "vllm:iteration_tokens_total_count": 1,
         "vllm:iteration_tokens_total_sum": 10}
     helps = help_texts(render(metrics))
-    assert helps["vllm:request_time_per_output_token_seconds"] == "Histogram of time_per_output_token_seconds per request."
+    assert helps["vllm:request_time_per_output_token_seconds"] == \
+        "Histogram of time_per_output_token_seconds per request."
     assert helps["vllm:iteration_tokens_total"] == "Histogram of number of tokens per engine_step."
 
 
@@ -105,3 +106,30 @@ def test_cache_config_info_is_a_gauge_at_1_labelled_with_the_settings():
               "gpu_memory_utilization": "0.9", "engine": "0"}
     assert metrics.registry.get_sample_value("vllm:cache_config_info", labels) == 1.0
     assert help_texts(render(metrics))["vllm:cache_config_info"] == "Information of the LLMEngine CacheConfig"
+
+
+def test_log_line_hit_rate_is_over_recent_requests_not_the_interval():
+    """vLLM's line shows the hit rate of the recent requests: an interval that only decodes (no lookup) keeps it,
+    where the per-interval rate dropped to 0% between bursts."""
+    metrics = EngineMetrics("m", 2048)
+    burst = SchedulerStats(num_running=2, prefix_cache_requests=2, prefix_cache_queries=100, prefix_cache_hits=40)
+    metrics.record(burst, IterationStats(num_prompt_tokens=100, engine_step=True))
+    assert "Prefix cache hit rate: 40.0%" in metrics.log()
+    metrics.record(burst, IterationStats(num_generation_tokens=2, engine_step=True))  # decode only: no new lookup
+    assert "Prefix cache hit rate: 40.0%" in metrics.log()
+    metrics.record(SchedulerStats(num_running=1, prefix_cache_requests=3, prefix_cache_queries=200,
+                                  prefix_cache_hits=40), IterationStats(num_prompt_tokens=100, engine_step=True))
+    assert "Prefix cache hit rate: 20.0%" in metrics.log()  # 40 of the 200 tokens the 3 requests looked up
+
+
+def test_hit_rate_window_holds_the_last_1000_requests():
+    window = PrefixCachingMetrics(max_recent_requests=1000)
+    assert window.hit_rate == 0.0
+    window.observe(600, 6000, 6000)  # all hits
+    window.observe(300, 3000, 0)
+    assert window.hit_rate == 6000 / 9000
+    window.observe(200, 2000, 0)  # 1100 requests: the oldest batch (600) drops out
+    assert window.hit_rate == 0.0
+    window.observe(0, 0, 0)  # a step without lookups changes nothing
+    window.observe(5000, 100, 50)  # a batch larger than the window stays, alone
+    assert window.hit_rate == 0.5
