@@ -283,12 +283,12 @@ def test_metrics_present_and_moving(server):
                                        extra_body={"ignore_eos": True})
     after = wait_until_idle(server)
 
-    def delta(name):
-        key = next(k for k in after if k.startswith(name))
+    def delta(name, **labels):
+        key = next(k for k in after if k.split("{")[0] == name and all(f'{n}="{v}"' in k for n, v in labels.items()))
         return after[key] - before.get(key, 0.0)
     assert delta("vllm:generation_tokens_total") == 4
     assert delta("vllm:prompt_tokens_total") > 0
-    assert delta('vllm:request_success_total{finished_reason="length"') == 1
+    assert delta("vllm:request_success_total", finished_reason="length") == 1
     assert delta("vllm:e2e_request_latency_seconds_count") == 1
     assert delta("vllm:inter_token_latency_seconds_count") == 3
     assert delta("vllm:time_per_output_token_seconds_count") == 3
