@@ -281,12 +281,11 @@ class EngineMetrics:
             self._prefix_cache.observe(stats.prefix_cache_requests - self._last.prefix_cache_requests,
                                        stats.prefix_cache_queries - self._last.prefix_cache_queries,
                                        stats.prefix_cache_hits - self._last.prefix_cache_hits)
+            self._log_prompt_tokens += iteration.num_prompt_tokens
+            self._log_generation_tokens += iteration.num_generation_tokens
         self._last = stats
         self._inc(self.prompt_tokens, iteration.num_prompt_tokens)
         self._inc(self.generation_tokens, iteration.num_generation_tokens)
-        with self._lock:
-            self._log_prompt_tokens += iteration.num_prompt_tokens
-            self._log_generation_tokens += iteration.num_generation_tokens
         if iteration.engine_step:
             self.iteration_tokens.observe(iteration.num_prompt_tokens + iteration.num_generation_tokens)
         for value in iteration.time_to_first_tokens:
@@ -331,7 +330,7 @@ class EngineMetrics:
         self._log_time = now
         if not force and not (prompt or generation or stats.num_running or stats.num_waiting):
             return None
-        line = (f"Engine 000: Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
+        line = (f"Engine {self.engine_index:03d}: Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {generation / elapsed:.1f} tokens/s, "
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
                 f"{self.kv_cache_place} KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "

@@ -127,6 +127,8 @@ class OutputProcessor:
         if not parent.finish(child, reason, stop_reason) or iteration_stats is None:
             return
         request = child.request
+        # request.max_tokens is the max_tokens asked for, capped by the room max_model_len leaves: what vLLM's server
+        # puts in the request's sampling params (the request's max_tokens, or that room when it has none)
         iteration_stats.update_from_finished_request(child.stats, reason, request.num_prompt_tokens, request.max_tokens,
                                                      request.first_scheduled_time, now)
         if parent.finished():
