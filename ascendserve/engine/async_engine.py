@@ -19,14 +19,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from ascendserve.config import ARRIVAL_WINDOW_CAP
 from ascendserve.engine.outputs import RequestOutput
 from ascendserve.engine.sampling_params import SamplingParams
 from ascendserve.logger import init_logger
-from ascendserve.metrics import FinishedRequestStats, IterationStats, SchedulerStats
+from ascendserve.metrics import IterationStats, SchedulerStats
 
 logger = init_logger(__name__)
 
@@ -37,17 +36,12 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Stream:
-    """Engine-thread state of one user request: where its outputs go and its timings for metrics."""
+    """Engine-thread state of one user request: where its outputs go."""
 
     request_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival_time: float
-    children: list = field(default_factory=list)  # engine Request objects (read-only here)
-    parent: Any = None  # the output processor's state of the request (read-only here): its token count
-    num_output_tokens: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
 
 
 @dataclass
@@ -72,6 +66,8 @@ class AsyncLLM:
             arrival_window_ms = engine.config.args.arrival_window_ms
         self.arrival_window_s = arrival_window_ms / 1000
         self.metrics = metrics  # ascendserve.metrics.EngineMetrics or None
+        if metrics is not None:
+            metrics.log_engine_initialized(engine.cache_config_info())
         self.tokenizer = engine.tokenizer
         self.config = engine.config
         self.dead_error: BaseException | None = None
@@ -214,11 +210,9 @@ class AsyncLLM:
             self._wake.wait()
             self._await_arrivals()
             return
-        outputs = self.engine.step()
-        now = time.time()
-        self._track_tokens(now)
-        deliveries = self._route(outputs, now)
-        self._publish(now)  # before delivering: a caller that sees its output sees it counted too
+        deliveries = self._route(self.engine.step(self._iteration))
+        self._iteration.engine_step = True
+        self._publish(time.time())  # before delivering: a caller that sees its output sees it counted too
         _deliver_all(deliveries)
 
     def _await_arrivals(self) -> None:
@@ -247,7 +241,7 @@ class AsyncLLM:
                 self._add(command)
             elif self.dead_error is None:
                 ids = list(self._streams) if command.request_id is None else command.request_id
-                _deliver_all(self._route(self.engine.abort_request(ids), time.time()))
+                _deliver_all(self._route(self.engine.abort_request(ids, self._iteration)))
 
     def _add(self, command: _Add) -> None:
         stream = command.stream
@@ -262,31 +256,11 @@ class AsyncLLM:
         except Exception as e:
             command.done.set_exception(e)
         else:
-            stream.parent = self.engine.output_processor.parents.get(stream.request_id)
-            stream.children = [c.request for c in stream.parent.children] if stream.parent else []
             self._streams[stream.request_id] = stream
             command.done.set_result(None)
 
-    def _track_tokens(self, now: float) -> None:
-        """Token counts and latencies of this step, from the engine's Request objects."""
-        it = self._iteration
-        for s in self._streams.values():
-            total = s.parent.num_output_tokens if s.parent is not None else 0
-            new = total - s.num_output_tokens
-            if new <= 0:
-                continue
-            it.num_generation_tokens += new
-            if s.first_token_time is None:
-                s.first_token_time = now
-                it.time_to_first_tokens.append(now - s.arrival_time)
-                it.num_prompt_tokens += s.children[0].num_prompt_tokens
-            else:
-                it.inter_token_latencies.append(now - s.last_token_time)
-            s.last_token_time = now
-            s.num_output_tokens = total
-
-    def _route(self, outputs: list[RequestOutput], now: float) -> dict[asyncio.AbstractEventLoop, list]:
-        """Group outputs by their caller's event loop; record the stats of finished requests."""
+    def _route(self, outputs: list[RequestOutput]) -> dict[asyncio.AbstractEventLoop, list]:
+        """Group outputs by their caller's event loop; forget finished requests."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -294,21 +268,8 @@ class AsyncLLM:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-                self._iteration.finished.extend(self._finished_stats(stream, output, now))
             by_loop.setdefault(stream.loop, []).append((stream.queue, output))
         return by_loop
-
-    def _finished_stats(self, stream: _Stream, output: RequestOutput, now: float) -> list[FinishedRequestStats]:
-        stats = []
-        for child, completion in zip(stream.children, _by_index(output, len(stream.children))):
-            scheduled = child.first_scheduled_time or now
-            stats.append(FinishedRequestStats(
-                # a DELTA output holds only the children that moved in its step: the others' reason is on the child
-                finish_reason=(completion.finish_reason if completion else None) or child.get_finish_reason()
-                or "abort",
-                e2e_latency=now - stream.arrival_time, queue_time=max(scheduled - stream.arrival_time, 0.0),
-                num_prompt_tokens=child.num_prompt_tokens, num_generation_tokens=child.num_output_tokens))
-        return stats
 
     def _die(self, error: BaseException) -> None:
         self.dead_error = self.dead_error or error
@@ -329,7 +290,8 @@ class AsyncLLM:
         self._stats = SchedulerStats(
             num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
             kv_cache_usage=kv.usage(), num_preemptions=engine.scheduler.num_preemptions,
-            prefix_cache_queries=kv.num_queries, prefix_cache_hits=kv.num_hits)
+            prefix_cache_requests=kv.num_queried_requests, prefix_cache_queries=kv.num_queries,
+            prefix_cache_hits=kv.num_hits)
 
     def _publish(self, now: float) -> None:
         self._snapshot()
@@ -373,11 +335,6 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._engine.abort(self.request_id)
-
-
-def _by_index(output: RequestOutput, n: int) -> list:
-    found = {c.index: c for c in output.outputs}
-    return [found.get(i) for i in range(n)]
 
 
 def _set_all(*events: threading.Event) -> None:

@@ -23,8 +23,14 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of each request already indexed
-        self.num_queries = 0  # prompt tokens looked up in the prefix cache (for metrics)
-        self.num_hits = 0  # of which found
+        # Prefix-cache lookups of first admissions (vllm:prefix_cache_queries / _hits): requests, tokens looked up,
+        # tokens found
+        self.num_queried_requests = 0
+        self.num_queries = 0
+        self.num_hits = 0
+        # Re-admissions of preempted requests (recompute), counted apart as vLLM 0.11 does
+        self.num_preempted_queries = 0
+        self.num_preempted_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -57,8 +63,16 @@ class KVCacheManager:
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count a prefix lookup in the hit-rate metrics, once the request it was for is admitted (a request held
-        back at the head of the queue is looked up again each step, and counted once)."""
-        if self.enable_caching:
+        back at the head of the queue is looked up again each step, and counted once). A preempted request's
+        lookup on re-admission goes to the preempted counters: its own blocks, freed moments ago, would read as
+        hits and inflate the rate."""
+        if not self.enable_caching:
+            return
+        if request.num_preemptions:
+            self.num_preempted_queries += request.num_tokens
+            self.num_preempted_hits += num_hit_tokens
+        else:
+            self.num_queried_requests += 1
             self.num_queries += request.num_tokens
             self.num_hits += num_hit_tokens
 

@@ -16,6 +16,7 @@ from ascendserve.engine.scheduler import Scheduler, SchedulerOutput
 from ascendserve.engine.state_cache_manager import StateCacheManager
 from ascendserve.engine.structured_output import GrammarCompiler
 from ascendserve.logger import init_logger
+from ascendserve.metrics import IterationStats
 
 logger = init_logger(__name__)
 
@@ -67,6 +68,19 @@ class LLMEngine:
         logger.info("Engine ready in %.1f s: %s, dtype %s, device %s, max_model_len %d",
                     time.perf_counter() - start, config.served_model_name, config.dtype,
                     config.device, config.max_model_len)
+
+    def cache_config_info(self) -> dict[str, str]:
+        """The KV cache settings as vLLM's CacheConfig.metrics_info() gives them (its field names, values as str): the
+        labels of vllm:cache_config_info. vLLM V1 keeps no CPU blocks (num_cpu_blocks 0)."""
+        args = self.config.args
+        info = {"block_size": args.block_size, "gpu_memory_utilization": args.gpu_memory_utilization,
+                "cache_dtype": args.kv_cache_dtype, "is_attention_free": False,
+                "num_gpu_blocks_override": args.num_gpu_blocks_override,
+                "enable_prefix_caching": self.config.enable_prefix_caching,
+                "mamba_cache_dtype": args.mamba_cache_dtype, "mamba_ssm_cache_dtype": args.mamba_ssm_cache_dtype,
+                "num_gpu_blocks": self.kv_cache_manager.num_blocks, "num_cpu_blocks": 0,
+                "kv_cache_memory_bytes": args.kv_cache_memory_bytes}
+        return {key: str(value) for key, value in info.items()}
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -139,13 +153,14 @@ class LLMEngine:
                 f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
                 f"{self.config.max_model_len}: it needs at least one more position to generate")
 
-    def abort_request(self, request_ids) -> list[RequestOutput]:
-        """Abort user requests (and all their children), freeing their blocks at once."""
+    def abort_request(self, request_ids, iteration_stats: IterationStats | None = None) -> list[RequestOutput]:
+        """Abort user requests (and all their children), freeing their blocks at once; the aborted children go into
+        `iteration_stats` when one is given."""
         outputs = []
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             self.scheduler.finish_requests(self.output_processor.child_ids(request_id),
                                            RequestStatus.FINISHED_ABORTED)
-            output = self.output_processor.abort(request_id)
+            output = self.output_processor.abort(request_id, iteration_stats)
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -155,10 +170,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # -- the loop ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the outputs of the requests that advanced."""
+    def step(self, iteration_stats: IterationStats | None = None) -> list[RequestOutput]:
+        """Schedule, run the model once, and return the outputs of the requests that advanced; with `iteration_stats`,
+        the step's tokens, latencies and finished sequences are counted into it (the server's metrics)."""
         if self.config.args.async_scheduling:
-            return self._step_async()
+            return self._step_async(iteration_stats)
         sched = self.scheduler.schedule()
         if sched.is_empty():
             return []
@@ -168,7 +184,7 @@ class LLMEngine:
             result = self._model_thread.submit(self.runner.execute_model, sched).result()
         _record_prompt_logprobs(sched, result)
         updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)
-        return self._process(updates, result)
+        return self._process(updates, result, iteration_stats)
 
     def run_loop_on_model_thread(self, loop) -> Future | None:
         """Run a driver's whole step loop (AsyncLLM's) on the model thread, so that each step() calls the model
@@ -179,7 +195,7 @@ class LLMEngine:
             return None
         return self._model_thread.submit(loop)
 
-    def _step_async(self) -> list[RequestOutput]:
+    def _step_async(self, iteration_stats: IterationStats | None) -> list[RequestOutput]:
         """Schedule and prepare step N+1 while step N runs; return step N's outputs.
 
         Order: schedule N+1 (decodes of requests sampling in N get a placeholder token) and build its
@@ -200,10 +216,10 @@ class LLMEngine:
         if prepared is not None:
             sched.fill_placeholders()
             self._in_flight = (sched, self._model_thread.submit(self.runner.execute, prepared))
-        return self._process(updates, result) if result is not None else []
+        return self._process(updates, result, iteration_stats) if result is not None else []
 
-    def _process(self, updates, result) -> list[RequestOutput]:
-        outputs, stopped = self.output_processor.process(updates, result.logprobs)
+    def _process(self, updates, result, iteration_stats: IterationStats | None) -> list[RequestOutput]:
+        outputs, stopped = self.output_processor.process(updates, result.logprobs, iteration_stats)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs

@@ -120,8 +120,7 @@ class FailingEngine:
         self.tokenizer = None
         self.config = SimpleNamespace(max_model_len=100, args=EngineArgs())
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
-        self.kv_cache_manager = SimpleNamespace(usage=lambda: 0.0, num_queries=0, num_hits=0)
-        self.output_processor = SimpleNamespace(parents={})
+        self.kv_cache_manager = SimpleNamespace(usage=lambda: 0.0, num_queried_requests=0, num_queries=0, num_hits=0)
         self.requests: list[str] = []
         self.fail_at, self.steps = fail_at, 0
         self.seen_by_step: list[int] = []  # requests present at each step
@@ -130,14 +129,11 @@ class FailingEngine:
     def add_request(self, request_id, prompt, params, arrival_time=None):
         self.thread_ids.add(threading.get_ident())
         self.requests.append(request_id)
-        child = SimpleNamespace(num_output_tokens=0, num_prompt_tokens=1, first_scheduled_time=None)
-        self.output_processor.parents[request_id] = SimpleNamespace(children=[SimpleNamespace(request=child)],
-                                                                    num_output_tokens=0)
 
     def has_unfinished_requests(self):
         return bool(self.requests)
 
-    def step(self):
+    def step(self, iteration_stats=None):
         self.thread_ids.add(threading.get_ident())
         self.steps += 1
         self.seen_by_step.append(len(self.requests))
@@ -147,7 +143,7 @@ class FailingEngine:
         return [RequestOutput(r, None, [1], [CompletionOutput(0, "x", [7], None, None)], False)
                 for r in self.requests]
 
-    def abort_request(self, request_ids):
+    def abort_request(self, request_ids, iteration_stats=None):
         self.requests = [r for r in self.requests if r not in request_ids]
         return []
 
@@ -338,12 +334,16 @@ def test_num_waiting_counts_every_sequence_the_kv_cache_holds_back():
     assert stats.num_running < 6 and waiting == 6 - stats.num_running
 
 
+def sample(llm: AsyncLLM, name: str, **labels) -> float:
+    """One sample of the engine's metrics registry (0.0 while absent)."""
+    return llm.metrics.registry.get_sample_value(name, {"model_name": "demo", "engine": "0", **labels}) or 0.0
+
+
 def test_metrics_count_each_child_of_n_under_its_own_finish_reason(llm):
     """n=4 children that finish at different steps: each is counted as stop or length in request_success_total; the
     last output (DELTA) holds only the children that finished in its step, and the others were counted as aborts."""
     def count(reason: str) -> float:
-        return llm.metrics.registry.get_sample_value(
-            "vllm:request_success_total", {"model_name": "demo", "finished_reason": reason}) or 0.0
+        return sample(llm, "vllm:request_success_total", finished_reason=reason)
 
     async def run():
         params = SamplingParams(n=4, seed=3, temperature=1.0, max_tokens=40, stop=["\n"],
@@ -358,3 +358,70 @@ def test_metrics_count_each_child_of_n_under_its_own_finish_reason(llm):
         "the children should finish in different steps for this test to mean anything"
     after = {reason: count(reason) for reason in ("stop", "length", "abort")}
     assert {r: after[r] - before[r] for r in after} == {r: float(reasons.count(r)) for r in ("stop", "length", "abort")}
+
+
+def test_metrics_count_each_child_of_n_as_a_request(llm):
+    """vLLM V1 counts every child of an `n` request as a request of its own: its prompt in prompt_tokens, one TTFT,
+    one inter-token latency per later token, one e2e latency each (was: the prompt and the TTFT once per parent, one
+    inter-token latency per parent step)."""
+    names = ["vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_prompt_tokens_count",
+             "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+             "vllm:e2e_request_latency_seconds_count"]
+    before = {name: sample(llm, name) for name in names}
+    params = SamplingParams(n=3, seed=1, temperature=1.0, max_tokens=5, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def run():
+        outputs = [o async for o in llm.generate("Once upon a time", params, "n3")]
+        await wait_idle(llm)
+        return outputs[-1]
+    final = asyncio.run(run())
+    assert [len(c.token_ids) for c in final.outputs] == [5, 5, 5]
+    prompt_len = len(final.prompt_token_ids)
+    assert {name: sample(llm, name) - before[name] for name in names} == {
+        "vllm:prompt_tokens_total": 3 * prompt_len, "vllm:generation_tokens_total": 15,
+        "vllm:request_prompt_tokens_count": 3, "vllm:time_to_first_token_seconds_count": 3,
+        "vllm:inter_token_latency_seconds_count": 12, "vllm:e2e_request_latency_seconds_count": 3}
+
+
+def test_metrics_request_phases_params_and_step_tokens(llm):
+    """vLLM's request histograms: each child's phases (prefill, decode, inference, its mean time per output token) and
+    its max_tokens; n and the longest child once per user request; one iteration_tokens_total sample per engine step,
+    its prompt and generated tokens."""
+    names = ["vllm:request_params_n_count", "vllm:request_params_n_sum", "vllm:request_max_num_generation_tokens_sum",
+             "vllm:request_params_max_tokens_count", "vllm:request_params_max_tokens_sum",
+             "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+             "vllm:request_decode_time_seconds_sum", "vllm:request_inference_time_seconds_count",
+             "vllm:request_time_per_output_token_seconds_count", "vllm:request_time_per_output_token_seconds_sum",
+             "vllm:time_per_output_token_seconds_count", "vllm:iteration_tokens_total_count",
+             "vllm:iteration_tokens_total_sum"]
+    before = {name: sample(llm, name) for name in names}
+    params = SamplingParams(n=2, seed=1, temperature=1.0, max_tokens=6, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def run():
+        outputs = [o async for o in llm.generate("Once upon a time", params, "phases")]
+        await wait_idle(llm)
+        return outputs[-1]
+    final = asyncio.run(run())
+    delta = {name: sample(llm, name) - before[name] for name in names}
+    assert (delta["vllm:request_params_n_count"], delta["vllm:request_params_n_sum"]) == (1, 2)
+    assert delta["vllm:request_max_num_generation_tokens_sum"] == 6
+    assert (delta["vllm:request_params_max_tokens_count"], delta["vllm:request_params_max_tokens_sum"]) == (2, 12)
+    for phase in ("prefill", "decode", "inference"):
+        assert delta[f"vllm:request_{phase}_time_seconds_count"] == 2, phase
+    assert delta["vllm:request_time_per_output_token_seconds_count"] == 2
+    assert delta["vllm:request_time_per_output_token_seconds_sum"] == pytest.approx(
+        delta["vllm:request_decode_time_seconds_sum"] / 5)
+    assert delta["vllm:time_per_output_token_seconds_count"] == 10  # per token after each child's first
+    assert delta["vllm:iteration_tokens_total_count"] >= 6  # the prefill step, then 5 decode steps
+    assert delta["vllm:iteration_tokens_total_sum"] == 2 * len(final.prompt_token_ids) + 12
+
+
+def test_metrics_cache_config_info(llm):
+    """vllm:cache_config_info carries the engine's KV cache settings as labels (vLLM's CacheConfig fields)."""
+    info = llm.engine.cache_config_info()
+    assert info["num_gpu_blocks"] == str(llm.engine.kv_cache_manager.num_blocks) != "0"
+    assert (info["block_size"], info["cache_dtype"], info["enable_prefix_caching"]) == ("16", "auto", "True")
+    assert info["kv_cache_memory_bytes"] == str(64 * 2**20) and info["gpu_memory_utilization"] == "0.9"
+    assert llm.metrics.registry.get_sample_value("vllm:cache_config_info", {**info, "engine": "0"}) == 1.0

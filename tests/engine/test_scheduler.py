@@ -156,3 +156,20 @@ def test_prefix_lookups_count_once_per_admission():
             break
         step(s)
     assert not s.waiting and (s.kv.num_queries, s.kv.num_hits) == (24, 0)
+
+
+def test_prefix_lookups_of_preempted_requests_are_counted_apart():
+    """vLLM 0.11 keeps the re-lookup of a preempted request (recompute) out of vllm:prefix_cache_queries / _hits: only
+    first admissions count there, the re-admissions in the preempted counters."""
+    s = make(num_blocks=4, block_size=4, budget=64, caching=True)
+    s.add_request(req("a", 8, max_tokens=8))
+    s.add_request(Request("b", list(range(300, 307)), SamplingParams(max_tokens=8), eos_token_ids=frozenset({0}),
+                          max_tokens=8))  # no prefix of a's
+    step(s)
+    out, _ = step(s)
+    assert out.preempted_request_ids == ["b"]
+    while s.has_unfinished_requests():
+        step(s)
+    assert (s.kv.num_queries, s.kv.num_hits) == (8 + 7, 0)
+    # b's prompt and the token it had generated; no hit: a's growth to 4 blocks evicted b's cached block
+    assert (s.kv.num_preempted_queries, s.kv.num_preempted_hits) == (7 + 1, 0)

@@ -265,23 +265,40 @@ def test_metrics_present_and_moving(server):
                  "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
-                 "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count"]:
+                 "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
+                 "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+                 "vllm:request_inference_time_seconds_count", "vllm:request_time_per_output_token_seconds_count",
+                 "vllm:time_per_output_token_seconds_count", "vllm:request_max_num_generation_tokens_count",
+                 "vllm:request_params_n_count", "vllm:request_params_max_tokens_count",
+                 "vllm:iteration_tokens_total_count"]:
         assert name in names, name
-    assert all('model_name="demo"' in k for k in before)
+    # vllm:cache_config_info has the cache settings and engine as labels, no model_name (as vLLM's)
+    assert all('model_name="demo"' in k and 'engine="0"' in k for k in before if "cache_config_info" not in k)
+    info = next(k for k in before if k.startswith("vllm:cache_config_info{"))
+    assert 'block_size="16"' in info and 'engine="0"' in info and 'num_gpu_blocks="' in info
     assert not [k for k in before if k.split("{")[0].endswith("_created")]  # vLLM exports none
+    text = httpx.get(server.url + "/metrics", timeout=30).text  # and the process / Python series of vLLM's registry
+    assert "\nprocess_resident_memory_bytes " in text and "\npython_info{" in text
     server.client().completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=4, temperature=0,
                                        extra_body={"ignore_eos": True})
     after = wait_until_idle(server)
 
-    def delta(name):
-        key = next(k for k in after if k.startswith(name))
+    def delta(name, **labels):
+        key = next(k for k in after if k.split("{")[0] == name and all(f'{n}="{v}"' in k for n, v in labels.items()))
         return after[key] - before.get(key, 0.0)
     assert delta("vllm:generation_tokens_total") == 4
     assert delta("vllm:prompt_tokens_total") > 0
-    assert delta('vllm:request_success_total{finished_reason="length"') == 1
+    assert delta("vllm:request_success_total", finished_reason="length") == 1
     assert delta("vllm:e2e_request_latency_seconds_count") == 1
     assert delta("vllm:inter_token_latency_seconds_count") == 3
+    assert delta("vllm:time_per_output_token_seconds_count") == 3
     assert delta("vllm:prefix_cache_queries_total") > 0
+    for name in ("request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds", "request_params_n"):
+        assert delta(f"vllm:{name}_count") == 1, name
+    assert delta("vllm:request_params_max_tokens_sum") == 4
+    assert delta("vllm:request_max_num_generation_tokens_sum") == 4
+    assert delta("vllm:iteration_tokens_total_sum") == delta("vllm:prompt_tokens_total") + 4
 
 
 def test_client_disconnect_mid_stream_frees_everything(server):

@@ -395,8 +395,9 @@ def test_stats_log_line_like_vllm():
 
     metrics = EngineMetrics("m", 2048)
     assert metrics.log() is None  # idle: nothing to say
-    metrics.record(SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, prefix_cache_queries=100,
-                                  prefix_cache_hits=40), IterationStats(num_prompt_tokens=50, num_generation_tokens=10))
+    metrics.record(SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, prefix_cache_requests=2,
+                                  prefix_cache_queries=100, prefix_cache_hits=40),
+                   IterationStats(num_prompt_tokens=50, num_generation_tokens=10))
     line = metrics.log()
     for part in ["Avg prompt throughput:", "Avg generation throughput:", "Running: 2 reqs", "Waiting: 1 reqs",
                  "GPU KV cache usage: 25.0%", "Prefix cache hit rate: 40.0%"]:
