@@ -34,7 +34,8 @@ class EngineArgs:
     """The arguments of `LLM(...)` and of `ascendserve serve`, with vLLM's names and defaults."""
 
     model: str | None = None  # None: the embedded demo model
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # a path or repo id (default: the model's)
+    tokenizer_revision: str | None = None  # of a --tokenizer repo id (default: --revision)
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
     revision: str | None = None

@@ -62,7 +62,8 @@ def json_object(value: str) -> dict:
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that map one to one onto EngineArgs fields (`--max-model-len` -> max_model_len)."""
     d = EngineArgs()
-    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer path or repo id (default: the model's)")
+    parser.add_argument("--tokenizer-revision", default=None, help="revision of a --tokenizer repo id")
     parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--revision", default=None)

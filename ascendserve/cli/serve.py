@@ -61,7 +61,6 @@ NO_EFFECT_FLAGS = {
     "--response-role": ({}, "replies carry the role 'assistant'"),
     "--tool-parser-plugin": ({}, "parser plugins are not loaded; the built-in tool-call parsers are hermes, "
                                  "qwen3_coder and qwen3_xml"),
-    "--tokenizer-revision": ({}, "the tokenizer is read at the model's revision (or from --tokenizer's path)"),
     "--tokenizer-mode": ({}, "the Hugging Face tokenizer is used"),
     "--load-format": ({}, "safetensors (or .bin, or GGUF) weights are read as found"),
     "--download-dir": ({}, "downloads go to the Hugging Face cache (HF_HOME / HF_HUB_CACHE)"),

@@ -83,13 +83,14 @@ def load_tokenizer(path: str, args: EngineArgs):
     if args.skip_tokenizer_init:
         return None
     source = args.tokenizer or path
+    if args.tokenizer is not None and not os.path.exists(args.tokenizer):
+        # a repo id: found in the HF (or ModelScope) cache, else its tokenizer files alone are fetched
+        from ascendserve.loader.resolve import resolve_model_path
+        source = resolve_model_path(args.tokenizer, revision=args.tokenizer_revision, tokenizer_only=True)
     if _is_gguf(source):
         from ascendserve.loader.gguf_loader import load_gguf_tokenizer
         return load_gguf_tokenizer(source)
     from transformers import AutoTokenizer
-    if args.tokenizer is not None and not os.path.exists(args.tokenizer):
-        from ascendserve.loader.resolve import resolve_model_path
-        source = resolve_model_path(args.tokenizer, revision=args.revision)
     return AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
 
 

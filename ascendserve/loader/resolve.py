@@ -18,8 +18,12 @@ from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
 
-# What a download fetches: enough for config, tokenizer, chat template and safetensors weights.
-HF_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+# What a download fetches: config, tokenizer and chat template, then the weights: safetensors, or PyTorch .bin files
+# where the repo has no safetensors (vLLM's fallback).
+TOKENIZER_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+HF_ALLOW_PATTERNS = TOKENIZER_PATTERNS + ["*.safetensors"]
+# The files that make a directory a tokenizer (--tokenizer ORG/NAME may name a repo without a model).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _REPO_ID_RE = re.compile(r"[A-Za-z0-9_][\w.-]*(/[\w.-]+)?")
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 
@@ -28,23 +32,25 @@ class ModelNotFoundError(ValueError):
     """`--model` names no local model, no cached snapshot, and could not be downloaded."""
 
 
-def resolve_model_path(model: str, revision: str | None = None, download: bool = True) -> str:
-    """Return a local model directory or .gguf file for `model` (a path or a hub repo id)."""
+def resolve_model_path(model: str, revision: str | None = None, download: bool = True,
+                       tokenizer_only: bool = False) -> str:
+    """Return a local model directory or .gguf file for `model` (a path or a hub repo id); with `tokenizer_only`, a
+    directory holding a tokenizer (no config.json or weights needed) or a .gguf file, fetching only tokenizer files."""
     searched: list[str] = []
-    found = _find_local(Path(model).expanduser(), searched)
+    found = _find_local(Path(model).expanduser(), searched, tokenizer_only)
     if found is not None:
         return found
     if not _REPO_ID_RE.fullmatch(model):
         raise ModelNotFoundError(_not_found_message(
             model, revision, searched, "it is neither a local model nor a repo id like 'org/name'"))
-    found = _find_in_hf_cache(model, revision, searched)
+    found = _find_in_hf_cache(model, revision, searched, tokenizer_only)
     if found is None and use_modelscope():
-        found = _find_in_modelscope_cache(model, searched)
+        found = _find_in_modelscope_cache(model, searched, tokenizer_only)
     if found is None:
-        found, why = _download(model, revision, download)
+        found, why = _download(model, revision, download, tokenizer_only)
         if found is None:
             raise ModelNotFoundError(_not_found_message(model, revision, searched, why))
-    logger.debug("Resolved model %r to %s", model, found)
+    logger.debug("Resolved %s %r to %s", "tokenizer" if tokenizer_only else "model", model, found)
     return found
 
 
@@ -62,13 +68,16 @@ def _is_offline() -> bool:
 # Local directories and files
 # ---------------------------------------------------------------------------------------------------
 
-def _model_in(path: Path) -> tuple[str | None, str]:
-    """(the model at `path` or None, why not): a dir with config.json, a .gguf, or a dir with one .gguf."""
+def _model_in(path: Path, tokenizer_only: bool = False) -> tuple[str | None, str]:
+    """(the model at `path` or None, why not): a dir with config.json (tokenizer_only: with a TOKENIZER_FILES file),
+    a .gguf, or a dir with one .gguf."""
     if path.is_file():
         return (str(path), "") if is_gguf(path) else (None, "is a file but not a GGUF file")
     if not path.is_dir():
         return None, "does not exist"
-    if (path / "config.json").is_file():
+    if tokenizer_only and any((path / name).is_file() for name in TOKENIZER_FILES):
+        return str(path), ""
+    if (path / "config.json").is_file() and not tokenizer_only:
         return str(path), ""
     ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
     if len(ggufs) == 1:
@@ -77,11 +86,12 @@ def _model_in(path: Path) -> tuple[str | None, str]:
         names = ", ".join(p.name for p in ggufs)
         raise ModelNotFoundError(f"{path} has no config.json and {len(ggufs)} .gguf files ({names}); "
                                  "pass the path of the one to load")
-    return None, "has no config.json and no .gguf file"
+    return None, ("has no tokenizer file (" + ", ".join(TOKENIZER_FILES) + ") and no .gguf file" if tokenizer_only
+                  else "has no config.json and no .gguf file")
 
 
-def _find_local(path: Path, searched: list[str]) -> str | None:
-    found, why = _model_in(path)
+def _find_local(path: Path, searched: list[str], tokenizer_only: bool = False) -> str | None:
+    found, why = _model_in(path, tokenizer_only)
     if found is None:
         searched.append(f"{path.absolute()} (local path: {why})")
     return found
@@ -103,27 +113,28 @@ def hf_hub_cache_dir() -> Path:
     return Path(xdg).expanduser() / "huggingface" / "hub"
 
 
-def _find_in_hf_cache(repo_id: str, revision: str | None, searched: list[str]) -> str | None:
+def _find_in_hf_cache(repo_id: str, revision: str | None, searched: list[str],
+                      tokenizer_only: bool = False) -> str | None:
     repo_dir = hf_hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
     rev = revision or "main"
     ref = repo_dir / "refs" / rev
     if ref.is_file():
         commit = ref.read_text().strip()
-        found = _find_snapshot(repo_dir / "snapshots" / commit, searched, f"refs/{rev} -> {commit}")
+        found = _find_snapshot(repo_dir / "snapshots" / commit, searched, f"refs/{rev} -> {commit}", tokenizer_only)
         if found is not None:
             return found
     else:
         searched.append(f"{ref} (HF cache: no such ref)")
     if _COMMIT_RE.fullmatch(rev):
-        return _find_snapshot(repo_dir / "snapshots" / rev, searched, "revision is a commit hash")
+        return _find_snapshot(repo_dir / "snapshots" / rev, searched, "revision is a commit hash", tokenizer_only)
     return None
 
 
-def _find_snapshot(snapshot: Path, searched: list[str], how: str) -> str | None:
+def _find_snapshot(snapshot: Path, searched: list[str], how: str, tokenizer_only: bool = False) -> str | None:
     """The model in a cached snapshot; one with a config.json but no weight file (what a config-only fetch leaves) is
     no hit, so the download fills it in."""
-    found, why = _model_in(snapshot)
-    if found is not None and Path(found).is_dir() and not any(
+    found, why = _model_in(snapshot, tokenizer_only)
+    if found is not None and not tokenizer_only and Path(found).is_dir() and not any(
             any(snapshot.glob(pattern)) for pattern in ("*.safetensors", "*.bin")):
         found, why = None, "has a config.json but no weight files (an incomplete download)"
     if found is None:
@@ -151,9 +162,9 @@ def modelscope_cache_candidates(repo_id: str) -> list[Path]:
     return [base / org / n for base in bases for n in names]
 
 
-def _find_in_modelscope_cache(repo_id: str, searched: list[str]) -> str | None:
+def _find_in_modelscope_cache(repo_id: str, searched: list[str], tokenizer_only: bool = False) -> str | None:
     for candidate in modelscope_cache_candidates(repo_id):
-        found, why = _model_in(candidate)
+        found, why = _model_in(candidate, tokenizer_only)
         if found is not None:
             return found
         searched.append(f"{candidate} (ModelScope cache: {why})")
@@ -164,7 +175,8 @@ def _find_in_modelscope_cache(repo_id: str, searched: list[str]) -> str | None:
 # Download
 # ---------------------------------------------------------------------------------------------------
 
-def _download(repo_id: str, revision: str | None, download: bool) -> tuple[str | None, str]:
+def _download(repo_id: str, revision: str | None, download: bool,
+              tokenizer_only: bool = False) -> tuple[str | None, str]:
     """(the downloaded model or None, why nothing was downloaded)."""
     if not download:
         return None, "download=False"
@@ -173,22 +185,38 @@ def _download(repo_id: str, revision: str | None, download: bool) -> tuple[str |
     hub = "ModelScope" if use_modelscope() else "the Hugging Face Hub"
     try:
         snapshot = _modelscope_download(repo_id, revision) if use_modelscope() else _hf_download(
-            repo_id, revision)
+            repo_id, revision, tokenizer_only)
     except ImportError as e:
         return None, f"VLLM_USE_MODELSCOPE is set but {e} (pip install modelscope)"
     except Exception as e:  # noqa: BLE001 - any hub failure becomes part of the not-found message
         return None, f"download from {hub} failed: {type(e).__name__}: {e}"
-    found, why = _model_in(Path(snapshot))
+    found, why = _model_in(Path(snapshot), tokenizer_only)
     if found is None:
         return None, f"the snapshot of {repo_id} from {hub} at {snapshot} {why}"
     return found, ""
 
 
-def _hf_download(repo_id: str, revision: str | None) -> str:
+def _hf_download(repo_id: str, revision: str | None, tokenizer_only: bool = False) -> str:
     import huggingface_hub
 
-    logger.info("Downloading %s (revision %s) from the Hugging Face Hub", repo_id, revision or "main")
-    return huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=HF_ALLOW_PATTERNS)
+    what = "the tokenizer of " if tokenizer_only else ""
+    logger.info("Downloading %s%s (revision %s) from the Hugging Face Hub", what, repo_id, revision or "main")
+    patterns = TOKENIZER_PATTERNS if tokenizer_only else _weight_patterns(repo_id, revision)
+    return huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
+
+
+def _weight_patterns(repo_id: str, revision: str | None) -> list[str]:
+    """HF_ALLOW_PATTERNS, with PyTorch .bin weights instead of safetensors for a repo that has none of the latter."""
+    import huggingface_hub
+
+    try:
+        files = huggingface_hub.list_repo_files(repo_id, revision=revision)
+    except Exception:  # noqa: BLE001 - the listing is a hint; snapshot_download reports real failures
+        return HF_ALLOW_PATTERNS
+    if not any(f.endswith(".safetensors") for f in files) and any(f.endswith(".bin") for f in files):
+        logger.info("%s has no safetensors weights: downloading its PyTorch .bin weights", repo_id)
+        return TOKENIZER_PATTERNS + ["*.bin"]
+    return HF_ALLOW_PATTERNS
 
 
 def _modelscope_download(repo_id: str, revision: str | None) -> str:

@@ -223,6 +223,67 @@ def test_download_calls_hf_snapshot_download(tmp_path, monkeypatch):
     assert {"*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"} <= set(patterns)
 
 
+@pytest.mark.parametrize("files, weights", [(["model.safetensors", "pytorch_model.bin"], "*.safetensors"),
+                                            (["pytorch_model-00001-of-00002.bin"], "*.bin")])
+def test_download_takes_bin_weights_only_without_safetensors(tmp_path, monkeypatch, files, weights):
+    """vLLM's fallback: a repo with PyTorch .bin weights and no safetensors gets its .bin files (it used to get no
+    weights at all)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo_id, revision=None: ["config.json", *files])
+    calls = []
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None, **kwargs):
+        calls.append(allow_patterns)
+        return str(_model_dir(tmp_path / "downloaded"))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    resolve_model_path("org/name")
+    assert weights in calls[0] and "*.json" in calls[0] and ("*.bin" in calls[0]) != ("*.safetensors" in calls[0])
+
+
+def test_tokenizer_repo_without_a_model(tmp_path, monkeypatch):
+    """--tokenizer ORG/NAME may name a tokenizer-only repo: its cached snapshot counts (no config.json or weights
+    needed), and a download fetches only tokenizer files."""
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    repo = cache / "models--org--tok"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    snapshot = _model_dir(repo / "snapshots" / COMMIT, "tokenizer.json")
+    assert resolve_model_path("org/tok", tokenizer_only=True) == str(snapshot)
+    with pytest.raises(ModelNotFoundError, match="has no config.json"):
+        resolve_model_path("org/tok")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo_id, revision=None, allow_patterns=None: calls.append((revision, allow_patterns))
+                        or str(_model_dir(tmp_path / "fetched", "tokenizer_config.json")))
+    assert resolve_model_path("org/other", revision="v2", tokenizer_only=True) == str(tmp_path / "fetched")
+    assert calls == [("v2", ["*.json", "*.model", "*.txt", "*.jinja", "tokenizer*"])]
+
+
+def test_tokenizer_repo_id_loads_offline_from_the_cache(tmp_path, monkeypatch):
+    """`--tokenizer org/tok` with the repo in the HF cache and HF_HUB_OFFLINE set: transformers itself, given the repo
+    id, looks for a config.json that a tokenizer-only repo lacks and fails offline; given the snapshot it loads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from ascendserve.config import EngineArgs
+    from ascendserve.loader.model_loader import load_tokenizer
+
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    repo = cache / "models--org--tok"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "v2").write_text(COMMIT)
+    snapshot = _model_dir(repo / "snapshots" / COMMIT, "tokenizer_config.json",
+                          b'{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(snapshot / "tokenizer.json"))
+    tokenizer = load_tokenizer("unused", EngineArgs(tokenizer="org/tok", tokenizer_revision="v2"))
+    assert tokenizer.encode("hello world", add_special_tokens=False) == [1, 2]
+
+
 def test_download_of_a_repo_without_config_is_reported(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
     empty = tmp_path / "empty-snapshot"

@@ -119,14 +119,14 @@ def test_vllm_loading_flags_parse(started, warnings, monkeypatch):
     --max-model-len act; the rest warn once each (the token itself is never logged)."""
     monkeypatch.delenv("HF_TOKEN", raising=False)
     line = ("serve m --generation-config vllm --override-generation-config '{\"temperature\": 0.5}' "
-            "--max-model-len 32K --hf-token hf_secret --tokenizer-revision main --tokenizer-mode auto "
+            "--max-model-len 32K --hf-token hf_secret --tokenizer-revision v2 --tokenizer-mode auto "
             "--load-format safetensors --download-dir /tmp/x --code-revision main --config-format hf --model-impl vllm "
             "--hf-config-path /tmp/c")
     assert main(shlex.split(line)) == 0
     args = started["args"]
     assert args.generation_config == "vllm" and args.override_generation_config == {"temperature": 0.5}
-    assert args.max_model_len == 32768 and os.environ["HF_TOKEN"] == "hf_secret"
-    assert_warned_once_each(warnings, ["--tokenizer-revision", "--tokenizer-mode", "--load-format", "--download-dir",
+    assert args.max_model_len == 32768 and os.environ["HF_TOKEN"] == "hf_secret" and args.tokenizer_revision == "v2"
+    assert_warned_once_each(warnings, ["--tokenizer-mode", "--load-format", "--download-dir",
                                        "--code-revision", "--config-format", "--model-impl", "--hf-config-path"])
     assert not any("hf_secret" in m for m in warnings)
 
