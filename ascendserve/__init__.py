@@ -1,5 +1,6 @@
 """ascendserve: an LLM inference engine and OpenAI-compatible server for Qwen3.5 (and friends)."""
 
+from ascendserve.engine.beam_search import BeamSearchParams
 from ascendserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from ascendserve.engine.sampling_params import SamplingParams
 from ascendserve.version import __version__
@@ -13,4 +14,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

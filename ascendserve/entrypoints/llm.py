@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from ascendserve.config import EngineArgs
+from ascendserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from ascendserve.engine.llm_engine import LLMEngine
 from ascendserve.engine.outputs import RequestOutput
 from ascendserve.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -76,6 +77,31 @@ class LLM:
                 continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "add_special_tokens": False})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search: the best `params.beam_width` beams of each prompt (a str, {"prompt": ...} or
+        {"prompt_token_ids": [...]}), best first; each beam's tokens and text hold its prompt too, as vLLM's."""
+        engine = self.llm_engine
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        max_logprobs = engine.config.args.max_logprobs
+        if max_logprobs != -1 and 2 * params.beam_width > max_logprobs:
+            raise ValueError(f"beam_width {params.beam_width} ranks 2 x {params.beam_width} = {2 * params.beam_width} "
+                             f"logprobs a step, but max_logprobs is {max_logprobs}; raise max_logprobs (or -1)")
+        token_prompts = []
+        for prompt in _as_list(prompts):
+            token_prompts.append(engine.tokenize_prompt(prompt)[1])
+            engine.validate_prompt(token_prompts[-1])
+
+        def generate(batch: list[list[int]], step_params: SamplingParams) -> list[RequestOutput]:
+            return self.generate([{"prompt_token_ids": ids} for ids in batch], step_params, use_tqdm=False)
+
+        results = beam_search(generate, token_prompts, params, engine.eos_token_ids, engine.config.max_model_len)
+        tokenizer = self.get_tokenizer()
+        for beams in results:
+            for beam in beams:
+                beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
+        return [BeamSearchOutput(beams) for beams in results]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
