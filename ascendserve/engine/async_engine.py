@@ -70,6 +70,7 @@ class AsyncLLM:
             metrics.log_engine_initialized(engine.cache_config_info())
         self.tokenizer = engine.tokenizer
         self.config = engine.config
+        self.eos_token_ids = engine.eos_token_ids
         self.dead_error: BaseException | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

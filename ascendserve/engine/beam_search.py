@@ -56,44 +56,64 @@ def beam_search_score(beam: BeamSearchSequence, eos_token_ids, length_penalty: f
     return beam.cum_logprob / (length ** length_penalty)
 
 
-def beam_search(generate, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids,
-                max_model_len: int) -> list[list[BeamSearchSequence]]:
-    """The best `params.beam_width` beams of each token-id prompt, best first, unfinished text not yet decoded.
+class BeamSearch:
+    """The search over token-id prompts, one step at a time: `pending()` is the live beams' token lists to run through
+    the engine with `step_params` (one token, the top 2 x beam_width logprobs), `advance()` takes their RequestOutputs
+    in that order, `results()` the best beams of each prompt, best first. A beam ends at an EOS (unless ignore_eos;
+    finish reason "stop"), at max_tokens or where the next token would not fit in max_model_len ("length")."""
 
-    `generate(token_id_prompts, sampling_params)` runs one engine step's requests and returns their RequestOutputs in
-    order. A beam ends at an EOS (unless ignore_eos; finish reason "stop"), at max_tokens or where the next token would
-    not fit in max_model_len ("length")."""
-    width, penalty = params.beam_width, params.length_penalty
-    rank = lambda beam: beam_search_score(beam, eos_token_ids, penalty)  # noqa: E731
-    step_params = SamplingParams(n=1, temperature=params.temperature, max_tokens=1, logprobs=2 * width,
-                                 ignore_eos=True)
-    live = [[BeamSearchSequence(list(prompt))] for prompt in prompts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
-        beams = [beam for group in live for beam in group]
-        if not beams:
-            break
-        outputs = generate([beam.tokens for beam in beams], step_params)
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids, max_model_len: int) -> None:
+        self.params, self.eos_token_ids, self.max_model_len = params, eos_token_ids, max_model_len
+        self.step_params = SamplingParams(n=1, temperature=params.temperature, max_tokens=1,
+                                          logprobs=2 * params.beam_width, ignore_eos=True)
+        self.live = [[BeamSearchSequence(list(prompt))] for prompt in prompts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+
+    def _rank(self, beam: BeamSearchSequence) -> float:
+        return beam_search_score(beam, self.eos_token_ids, self.params.length_penalty)
+
+    def pending(self) -> list[list[int]]:
+        """The token lists to extend this step; none once max_tokens steps ran or every beam ended."""
+        if self.steps >= self.params.max_tokens:
+            return []
+        return [beam.tokens for group in self.live for beam in group]
+
+    def advance(self, outputs) -> None:
+        """Extend each live beam by the tokens of its step's logprobs; keep the best beam_width live beams."""
         results = iter(outputs)
-        for i, group in enumerate(live):
+        for i, group in enumerate(self.live):
             candidates = []
             for beam in group:
                 step = next(results).outputs[0].logprobs[0]
                 for token_id, logprob in step.items():
                     new = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [step],
                                              beam.cum_logprob + logprob.logprob)
-                    if token_id in eos_token_ids and not params.ignore_eos:
+                    if token_id in self.eos_token_ids and not self.params.ignore_eos:
                         new.finish_reason = "stop"
-                        done[i].append(new)
-                    elif len(new.tokens) >= max_model_len:  # no room for another token
+                        self.done[i].append(new)
+                    elif len(new.tokens) >= self.max_model_len:  # no room for another token
                         new.finish_reason = "length"
-                        done[i].append(new)
+                        self.done[i].append(new)
                     else:
                         candidates.append(new)
-            live[i] = sorted(candidates, key=rank, reverse=True)[:width]
-    results = []
-    for group, finished in zip(live, done):
-        for beam in group:
-            beam.finish_reason = beam.finish_reason or "length"
-        results.append(sorted(finished + group, key=rank, reverse=True)[:width])
-    return results
+            self.live[i] = sorted(candidates, key=self._rank, reverse=True)[:self.params.beam_width]
+        self.steps += 1
+
+    def results(self) -> list[list[BeamSearchSequence]]:
+        out = []
+        for group, finished in zip(self.live, self.done):
+            for beam in group:
+                beam.finish_reason = beam.finish_reason or "length"
+            out.append(sorted(finished + group, key=self._rank, reverse=True)[:self.params.beam_width])
+        return out
+
+
+def beam_search(generate, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids,
+                max_model_len: int) -> list[list[BeamSearchSequence]]:
+    """Run a BeamSearch to its end; `generate(token_id_prompts, sampling_params)` returns the RequestOutputs of one
+    step's requests in order."""
+    search = BeamSearch(prompts, params, eos_token_ids, max_model_len)
+    while batch := search.pending():
+        search.advance(generate(batch, search.step_params))
+    return search.results()

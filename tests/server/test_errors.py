@@ -51,7 +51,6 @@ def test_invalid_json(http):
     ("/v1/completions", {"prompt": []}, "prompt", ("prompt",)),
     ("/v1/completions", {"prompt": [10**9]}, "prompt", ("prompt token ids",)),
     ("/v1/completions", {"prompt": "x", "n": 2, "temperature": 0}, "n", ("greedy",)),
-    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", ("not supported",)),
     ("/v1/chat/completions", {"messages": CHAT, "bad_words": [3]}, "bad_words.0", ("valid string",)),
     # an n this large used to be accepted and build its children on the engine thread until memory ran out
     ("/v1/completions", {"prompt": "x", "n": 1208925819614629174706176, "temperature": 1.0}, "n",

@@ -119,6 +119,39 @@ def test_bad_words(http):
     assert out["choices"][0]["logprobs"]["tokens"][0] != first, (first, out["choices"][0]["text"])
 
 
+def test_beam_search(http):
+    """vLLM's use_beam_search: n beams, best first (ranked by their summed logprobs, all of one length here); each
+    beam's logprobs are the model's for its tokens (scored again through prompt_logprobs); chat and streaming too."""
+    prompt = "The best way to learn a language is"
+    out = _complete(http, prompt=prompt, use_beam_search=True, n=3, max_tokens=5, logprobs=0, ignore_eos=True)
+    choices = out["choices"]
+    assert len(choices) == 3 and len({c["text"] for c in choices}) == 3
+    sums = [sum(c["logprobs"]["token_logprobs"]) for c in choices]
+    assert sums == sorted(sums, reverse=True), sums
+    prompt_ids, rescored_beams = _prompt_ids(http, prompt), 0
+    for choice, total in zip(choices, sums):
+        ids = _prompt_ids(http, prompt + choice["text"])
+        if ids[:len(prompt_ids)] != prompt_ids or len(ids) != len(prompt_ids) + 5:
+            continue  # the text does not tokenize back into the beam's tokens
+        entries = _complete(http, prompt=ids, prompt_logprobs=0, max_tokens=1)["choices"][0]["prompt_logprobs"]
+        rescored = sum(entries[j][str(ids[j])]["logprob"] for j in range(len(prompt_ids), len(ids)))
+        assert rescored == pytest.approx(total, abs=1e-2)
+        rescored_beams += 1
+    assert rescored_beams
+    streamed = _stream_events(http, "/v1/completions", {"model": MODEL, "prompt": prompt, "use_beam_search": True,
+                                                        "n": 3, "max_tokens": 5, "ignore_eos": True})
+    texts = {}
+    for event in streamed:
+        for c in event["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[i] for i in range(3)] == [c["text"] for c in choices]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                "use_beam_search": True, "n": 2, "max_tokens": 4})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    check_error(http.post("/v1/completions", json={"prompt": "x", "use_beam_search": True, "n": 11}), 400,
+                param="n", contains=("2 x 11 = 22 logprobs", "--max-logprobs"))
+
+
 def test_completions_default_to_16_tokens(http):
     """OpenAI's and vLLM's completions default: max_tokens 16 (it used to be the rest of the context)."""
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "ignore_eos": True})

@@ -308,8 +308,9 @@ class _SamplingRequest(OpenAIBaseModel):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     bad_words: list[str] | None = None
-    # vLLM's, not implemented here: refused when set rather than ignored (a different kind of result would come back)
+    # vLLM's beam search: `n` beams (the beam width), ranked by cum_logprob / length ** length_penalty
     use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -324,13 +325,6 @@ class _SamplingRequest(OpenAIBaseModel):
             raise ValueError(f"priority {priority} needs priority scheduling, which this server does not have "
                              f"(requests run first come, first served); leave priority at 0.")
         return priority
-
-    @field_validator("use_beam_search")
-    @classmethod
-    def _refuse_unimplemented(cls, value, info):
-        if value:
-            raise ValueError(f"{info.field_name} is not supported by this server.")
-        return value
 
     @model_validator(mode="after")
     def _check_structured_outputs(self):
@@ -381,7 +375,7 @@ class _SamplingRequest(OpenAIBaseModel):
 
     def to_sampling_params(self, default_max_tokens: int,
                            default_sampling_params: dict[str, Any] | None = None) -> "SamplingParams":
-        """SamplingParams for this request.
+        """SamplingParams for this request (with beam search, one sequence's: the search runs `n` beams of them).
 
         `default_max_tokens` is the room left in the context (max_model_len - prompt length).
         `default_sampling_params` holds the model's generation-config defaults (temperature, top_p, top_k,
@@ -399,7 +393,7 @@ class _SamplingRequest(OpenAIBaseModel):
             return value if value is not None else defaults.get(name, _SAMPLING_DEFAULTS[name])
 
         return SamplingParams(
-            n=self.n or 1,
+            n=1 if self.use_beam_search else self.n or 1,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty"),

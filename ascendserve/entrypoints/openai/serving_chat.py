@@ -157,7 +157,8 @@ class OpenAIServingChat(OpenAIServing):
         parsers = [self._choice_parser(request, prompt_ids, prefix, forced=bool(opening))
                    for _ in range(request.n or 1)]
         stream = await self.add(request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params,
-                                "messages", request.structured_outputs_field or "tool_choice")
+                                "messages", request.structured_outputs_field or "tool_choice",
+                                self.beam_search_params(request, params))
         if request.stream:
             return SSEResponse(self._stream(request, model, request_id, prompt_ids, stream, parsers), [stream])
         try:

@@ -31,7 +31,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 params = self.sampling_params(request, len(ids), "prompt")
                 prompt = {"prompt_token_ids": ids, "prompt": text}
                 streams.append(await self.add(f"{base_id}-{i}", prompt, params, "prompt",
-                                              request.structured_outputs_field))
+                                              request.structured_outputs_field,
+                                              self.beam_search_params(request, params)))
         except BaseException:
             abort_all(streams)
             raise

@@ -11,6 +11,8 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
+from ascendserve.engine.beam_search import BeamSearch, BeamSearchParams
+from ascendserve.engine.outputs import CompletionOutput, RequestOutput
 from ascendserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from ascendserve.engine.structured_output import GRAMMAR_ERROR_PREFIX
 from ascendserve.entrypoints.openai.errors import OpenAIError, error_body
@@ -168,21 +170,94 @@ class OpenAIServing:
         params.output_kind = RequestOutputKind.DELTA
         return params
 
+    def beam_search_params(self, request, params: SamplingParams) -> BeamSearchParams | None:
+        """vLLM's beam search of a request with use_beam_search: `n` beams, the rest from its sampling params."""
+        if not request.use_beam_search:
+            return None
+        width = request.n or 1
+        if -1 < self.options.max_logprobs < 2 * width:
+            raise OpenAIError(f"n: beam search with {width} beams ranks 2 x {width} = {2 * width} logprobs a step, but "
+                              f"this server allows at most {self.options.max_logprobs} (--max-logprobs).", 400,
+                              param="n")
+        return BeamSearchParams(beam_width=width, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                                temperature=params.temperature, length_penalty=request.length_penalty,
+                                include_stop_str_in_output=params.include_stop_str_in_output)
+
     async def add(self, request_id: str, prompt: dict, params: SamplingParams, input_name: str,
-                  constraint_field: str | None = None):
-        """Queue one prompt; a ValueError from the engine's checks becomes a 400 naming the field at fault (a grammar
-        that does not compile: `constraint_field`, the request field it came from)."""
+                  constraint_field: str | None = None, beam: BeamSearchParams | None = None):
+        """Queue one prompt (with `beam`, a beam search over it); a ValueError from the engine's checks becomes a 400
+        naming the field at fault (a grammar that does not compile: `constraint_field`, the request field it came
+        from)."""
         if self.options.log_requests:
             clip = slice(self.options.max_log_len)
             logger.info("Received request %s: %d prompt tokens, params: %s", request_id,
                         len(prompt.get("prompt_token_ids", ())), repr(params)[clip])
             logger.debug("Request %s prompt: %r", request_id, (prompt.get("prompt") or "")[clip])
+        if beam is not None:  # the search's steps are added as it runs
+            return BeamSearchStream(self.engine, request_id, prompt["prompt_token_ids"], beam,
+                                    params.logprobs is not None)
         try:
             # the engine's id is unique even when clients reuse an X-Request-Id (vLLM's suffix)
             return await self.engine.add_request(f"{request_id}-{random_uuid()[:8]}", prompt, params)
         except ValueError as e:
             grammar = constraint_field if str(e).startswith(GRAMMAR_ERROR_PREFIX) else None
             raise OpenAIError(str(e), 400, param=_param_in(str(e)) or grammar or input_name) from None
+
+
+class BeamSearchStream:
+    """An engine stream's surface (an async iterator of RequestOutputs, `abort()`) over a beam search the server runs:
+    each step adds one request a live beam (one token, 2 x beam_width logprobs); one output comes, the best beams as
+    `n` finished choices, text without a final EOS (vLLM's)."""
+
+    def __init__(self, engine, request_id: str, prompt_ids: list[int], params: BeamSearchParams,
+                 logprobs: bool) -> None:
+        self.engine, self.request_id, self.prompt_ids = engine, request_id, prompt_ids
+        self.params, self.logprobs = params, logprobs
+        self.finished = False
+        self._steps: list = []  # the engine streams of the step running
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        self.finished = True
+        eos = self.engine.eos_token_ids
+        search = BeamSearch([self.prompt_ids], self.params, eos, self.engine.config.max_model_len)
+        try:
+            while batch := search.pending():
+                step_id = f"{self.request_id}-{search.steps}-{random_uuid()[:8]}"
+                self._steps = []
+                for i, tokens in enumerate(batch):
+                    self._steps.append(await self.engine.add_request(f"{step_id}-{i}", {"prompt_token_ids": tokens},
+                                                                     search.step_params))
+                search.advance(await asyncio.gather(*(_last_output(s) for s in self._steps)))
+        finally:
+            self.abort()
+        start, tokenizer = len(self.prompt_ids), self.engine.tokenizer
+        choices = []
+        for i, beam in enumerate(search.results()[0]):
+            tokens = beam.tokens[start:]
+            shown = tokens[:-1] if beam.finish_reason == "stop" else tokens
+            text = tokenizer.decode(shown, skip_special_tokens=True) if tokenizer is not None else ""
+            choices.append(CompletionOutput(i, text, tokens, beam.cum_logprob, beam.logprobs if self.logprobs else None,
+                                            beam.finish_reason, beam.stop_reason))
+        return RequestOutput(self.request_id, None, self.prompt_ids, choices, True)
+
+    def abort(self) -> None:
+        """Stop the search: the step's requests are aborted."""
+        self.finished = True
+        for stream in self._steps:
+            stream.abort()
+        self._steps = []
+
+
+async def _last_output(stream):
+    last = None
+    async for output in stream:
+        last = output
+    return last
 
 
 _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens",
