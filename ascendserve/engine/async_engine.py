@@ -70,7 +70,6 @@ class AsyncLLM:
             metrics.log_engine_initialized(engine.cache_config_info())
         self.tokenizer = engine.tokenizer
         self.config = engine.config
-        self.eos_token_ids = engine.eos_token_ids
         self.dead_error: BaseException | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -104,6 +103,11 @@ class AsyncLLM:
         return cls(LLMEngine.from_engine_args(args), metrics)
 
     # -- the asyncio side ----------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's stop ids (a server-side beam search ends beams at them)."""
+        return self.engine.eos_token_ids
+
     @property
     def errored(self) -> bool:
         """True once the engine loop has failed."""
