@@ -102,9 +102,10 @@ class WeightOnlyLinear(nn.Module):
 
     @staticmethod
     def supports(linear: nn.Linear, method: str) -> bool:
-        """Whether the layer's shape fits the kernel (int4: N % 16 == 0 and a group size dividing K)."""
+        """Whether the layer's shape fits the kernel (int8: K % 16 == 0, below which torch's _weight_int8pack_mm reads
+        out of bounds: a crash or NaNs; int4: N % 16 == 0 and a group size dividing K)."""
         if method == "int8":
-            return True
+            return linear.in_features % 16 == 0
         return linear.out_features % 16 == 0 and any(linear.in_features % g == 0 for g in INT4_GROUP_SIZES)
 
     def _quantize_int8(self, weight: torch.Tensor) -> None:

@@ -31,17 +31,25 @@ class StackedLoader:
              ignore_prefixes: tuple[str, ...] = ()) -> set[str]:
         """Load everything; raise WeightLoadError on unknown names, bad shapes or missing params."""
         loaded: set[str] = set()
+        shards: dict[str, set[str]] = {}  # fused parameter -> the pieces loaded into it
         for name, tensor in weights:
             if name.endswith(skip) or name.startswith(ignore_prefixes):
                 continue
-            loaded.add(self._load_one(name, tensor))
+            param_name, piece = self._load_one(name, tensor)
+            loaded.add(param_name)
+            if piece is not None:
+                shards.setdefault(param_name, set()).add(piece)
         missing = sorted(set(self.params) - loaded)
+        # a fused parameter with a piece missing (k_proj of q/k/v, say) would keep that piece's random rows
+        missing += sorted(self._piece_name(param_name, piece) for param_name, got in shards.items()
+                          for piece in self._pieces_of(param_name) - got)
         if missing:
             raise WeightLoadError(f"checkpoint has no tensor for {len(missing)} parameters, "
                                   f"e.g. {missing[:5]}")
         return loaded
 
-    def _load_one(self, name: str, tensor: torch.Tensor) -> str:
+    def _load_one(self, name: str, tensor: torch.Tensor) -> tuple[str, str | None]:
+        """Copy one tensor; (the model parameter it went into, the packed piece it was, or None)."""
         for piece, (fused, shard) in self.packed.items():
             if f".{piece}." in name:
                 fused_name = name.replace(f".{piece}.", f".{fused}.")
@@ -50,9 +58,18 @@ class StackedLoader:
                 sizes = self.shard_sizes(fused, module)
                 start = sum(sizes[:shard])
                 _copy(param.data.narrow(0, start, sizes[shard]), tensor, name)
-                return fused_name
+                return fused_name, piece
         _copy(self._param(name, name).data, tensor, name)
-        return name
+        return name, None
+
+    def _pieces_of(self, param_name: str) -> set[str]:
+        """The packed pieces a fused parameter is made of ("...qkv_proj.weight" -> {q_proj, k_proj, v_proj})."""
+        return {piece for piece, (fused, _) in self.packed.items() if f".{fused}." in param_name}
+
+    def _piece_name(self, param_name: str, piece: str) -> str:
+        """The checkpoint name of one piece of a fused parameter."""
+        fused = self.packed[piece][0]
+        return param_name.replace(f".{fused}.", f".{piece}.")
 
     def _param(self, name: str, ckpt_name: str) -> nn.Parameter:
         if name not in self.params:

@@ -72,6 +72,18 @@ def test_quantize_model_swaps_linears_and_keeps_unsupported_shapes_dense(caplog,
     assert "int4" in caplog.text and "MiB" in caplog.text
 
 
+def test_int8_on_torchs_kernel_keeps_inputs_not_a_multiple_of_16_dense(monkeypatch):
+    """torch's _weight_int8pack_mm reads out of bounds below K % 16 (a segfault or NaNs, e.g. an intermediate size of
+    200): such layers stay dense."""
+    monkeypatch.setattr(q, "tile_kernels", lambda: None)
+    assert not WeightOnlyLinear.supports(nn.Linear(200, 64), "int8")
+    assert WeightOnlyLinear.supports(nn.Linear(80, 64), "int8")
+    model = nn.Sequential(nn.Linear(64, 200), nn.ReLU(), nn.Linear(200, 64))
+    stats = quantize_model_(model, "int8")
+    assert isinstance(model[0], WeightOnlyLinear) and isinstance(model[2], nn.Linear) and stats["skipped"] == 1
+    assert torch.isfinite(model(torch.randn(10, 64))).all()
+
+
 def test_lm_head_always_uses_the_kernel(monkeypatch):
     monkeypatch.setattr(q, "tile_kernels", lambda: None)  # torch's int8 kernel (no SIMD tiles)
     model = nn.Module()

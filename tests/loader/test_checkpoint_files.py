@@ -51,6 +51,18 @@ def test_sharded_checkpoint_reads_the_files_its_index_names(tmp_path):
         generate(tmp_path)
 
 
+@pytest.mark.parametrize("dropped", ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"])
+def test_a_missing_piece_of_a_fused_weight_is_named(tmp_path, dropped):
+    """q/k/v and gate/up load into one fused parameter each: a checkpoint without one of the pieces used to load with
+    that piece's rows left random, and the engine generated garbage without a word."""
+    save_llama(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights[dropped]
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(WeightLoadError, match=rf"no tensor for 1 parameters, e.g. \['{dropped}'\]"):
+        generate(tmp_path)
+
+
 def test_pytorch_bin_weights_load(tmp_path):
     expected = save_llama(tmp_path)  # transformers 5 writes safetensors only: made a .bin checkpoint here
     torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / "pytorch_model.bin")
