@@ -118,12 +118,21 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     return config_cls(architectures=[arch_name], dtype=_config_dtype(reader), **kwargs)
 
 
+def _required(reader: GGUFFile, key: str) -> int:
+    """An integer metadata value the model cannot be built without; UnsupportedGGUFError naming it when absent."""
+    value = reader.get(key)
+    if value is None:
+        raise UnsupportedGGUFError(f"{reader.path}: the GGUF metadata has no {key!r}, which the model's shape needs "
+                                   f"(llama.cpp's convert_hf_to_gguf.py writes it)")
+    return int(value)
+
+
 def _config_kwargs(reader: GGUFFile, arch: str, tensors: dict) -> dict[str, Any]:
     def get(key: str, default: Any = None) -> Any:
         return reader.get(f"{arch}.{key}", default)
 
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
+    hidden = _required(reader, f"{arch}.embedding_length")
+    heads = _required(reader, f"{arch}.attention.head_count")
     # The embedding's row count is the vocab size (GGUF shape is (hidden, vocab)); it can exceed
     # the tokenizer's token count when the checkpoint pads the vocabulary.
     embed = tensors.get("token_embd.weight")
@@ -133,8 +142,8 @@ def _config_kwargs(reader: GGUFFile, arch: str, tensors: dict) -> dict[str, Any]
     kwargs = {
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": _required(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _required(reader, f"{arch}.block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": int(get("attention.key_length", hidden // heads)),
@@ -293,7 +302,7 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """
     reader = _open(path)
     arch = _architecture(reader, path)
-    heads = int(reader.get(f"{arch}.attention.head_count"))
+    heads = _required(reader, f"{arch}.attention.head_count")
     kv_heads = int(reader.get(f"{arch}.attention.head_count_kv", heads))
     logger.info("Loading %d GGUF tensors (%s) from %s", len(reader.tensors), arch, path)
     for tensor in reader.tensors:

@@ -132,11 +132,13 @@ def _random_k_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -
     return data.reshape(rows, -1)
 
 
-def _write_minimal(path, tensors: list[tuple[str, np.ndarray, Q]], arch: str = "qwen2") -> None:
+def _write_minimal(path, tensors: list[tuple[str, np.ndarray, Q]], arch: str = "qwen2",
+                   feed_forward: bool = True) -> None:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_embedding_length(512)
-    writer.add_feed_forward_length(512)
+    if feed_forward:
+        writer.add_feed_forward_length(512)
     writer.add_head_count(4)
     writer.add_context_length(128)
     for name, data, qtype in tensors:
@@ -186,6 +188,13 @@ def test_unknown_tensor_name_and_architecture(tmp_path):
     _write_minimal(tmp_path / "g.gguf", [], arch="gemma")
     with pytest.raises(UnsupportedGGUFError, match="'gemma' is not supported"):
         load_gguf_config(str(tmp_path / "g.gguf"))
+
+
+def test_missing_shape_metadata_is_named(tmp_path):
+    """A GGUF without a shape key the model needs: an error naming the key (it was a bare TypeError about None)."""
+    _write_minimal(tmp_path / "m.gguf", [], feed_forward=False)
+    with pytest.raises(UnsupportedGGUFError, match="no 'qwen2.feed_forward_length'"):
+        load_gguf_config(str(tmp_path / "m.gguf"))
 
 
 # ---------------------------------------------------------------------------------------------------
