@@ -87,11 +87,25 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineArgs":
-        """Build from keyword arguments; an unknown name raises TypeError listing the valid ones."""
+        """Build from keyword arguments (`LLM(...)`'s): vLLM's arguments this engine has no use for are accepted with
+        one warning each (INERT_ENGINE_ARGS), strings for booleans and numbers are read as vLLM's config parsing
+        reads them, a torch.dtype as its name, an int compilation_config as vLLM's level; any other unknown name
+        raises TypeError listing the valid ones."""
+        for name in [n for n in kwargs if n in INERT_ENGINE_ARGS]:
+            value = kwargs.pop(name)
+            if name == "hf_token" and value:
+                os.environ["HF_TOKEN"] = value  # huggingface_hub's downloads read it
+            elif value not in INERT_ENGINE_ARGS[name][1]:
+                logger.warning("%s=%r is accepted but has no effect: %s.", name, value, INERT_ENGINE_ARGS[name][0])
         unknown = sorted(set(kwargs) - set(cls.field_names()))
         if unknown:
             raise TypeError(f"unexpected engine argument(s) {unknown}; valid arguments are: "
                             f"{', '.join(cls.field_names())}")
+        if "dtype" in kwargs and not isinstance(kwargs["dtype"], str):  # torch.bfloat16 -> "bfloat16"
+            kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
+        if isinstance(kwargs.get("compilation_config"), int) and not isinstance(kwargs["compilation_config"], bool):
+            kwargs["compilation_config"] = {"level": kwargs["compilation_config"]}
+        kwargs = {name: _coerce(name, value, _FIELD_TYPES.get(name)) for name, value in kwargs.items()}
         args = cls(model=model, **kwargs)
         args.validate()
         return args
@@ -124,6 +138,65 @@ class EngineArgs:
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size must be 1 for now (parallelism is not implemented "
                              f"yet), got {self.tensor_parallel_size}")
+
+
+# vLLM's LLM(...) arguments that change nothing here: name -> (why, values that need no warning)
+INERT_ENGINE_ARGS = {
+    "swap_space": ("preemption recomputes; nothing is swapped to host memory", (None, 0)),
+    "cpu_offload_gb": ("no weights are offloaded", (None, 0)),
+    "disable_log_stats": ("the offline engine logs no periodic stats", (None, True, False)),
+    "tokenizer_mode": ("the Hugging Face tokenizer is used", (None, "auto")),
+    "load_format": ("safetensors (or .bin, or GGUF) weights are read as found", (None, "auto")),
+    "download_dir": ("downloads go to the Hugging Face cache (HF_HOME / HF_HUB_CACHE)", (None,)),
+    "hf_token": ("", ()),  # sets HF_TOKEN
+    "enable_lora": ("LoRA adapters are not implemented", (None, False)),
+    "max_lora_rank": ("LoRA adapters are not implemented", (None,)),
+    "max_loras": ("LoRA adapters are not implemented", (None,)),
+    "pipeline_parallel_size": ("pipeline parallelism is not implemented", (None, 1)),
+    "data_parallel_size": ("data parallelism is not implemented", (None, 1)),
+    "distributed_executor_backend": ("one process runs the model", (None,)),
+    "limit_mm_per_prompt": ("multimodal input is not implemented", (None,)),
+    "mm_processor_kwargs": ("multimodal input is not implemented", (None,)),
+    "calculate_kv_scales": ("fp8 KV caches are not implemented", (None, False)),
+    "enable_sleep_mode": ("sleep mode is not implemented", (None, False)),
+    "speculative_config": ("speculative decoding (MTP) is not implemented", (None,)),
+    "max_seq_len_to_capture": ("decode graphs cover max_model_len", (None,)),
+    "disable_custom_all_reduce": ("there is no all-reduce", (None, True, False)),
+    "scheduling_policy": ("requests run first come, first served", (None, "fcfs")),
+    "worker_cls": ("one built-in worker", (None, "auto")),
+    "use_v2_block_manager": ("one KV block manager", (None, True, False)),
+}
+
+
+def _field_types() -> dict[str, str]:
+    """Each EngineArgs field's annotation as text ("bool", "int | None", ...)."""
+    return {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            for f in dataclasses.fields(EngineArgs)}
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _coerce(name: str, value, annotation: str | None):
+    """A string for a bool / int / float argument read as vLLM's config parsing reads it ("no" -> False, "0.5" ->
+    0.5); anything else as given. A string that is none of those raises ValueError naming the argument."""
+    if not isinstance(value, str) or annotation is None:
+        return value
+    kinds = {part.strip() for part in annotation.split("|")}
+    if "str" in kinds or "Any" in kinds or "dict[str, Any]" in kinds:
+        return value
+    text = value.strip().lower()
+    if "bool" in kinds and text in _TRUE + _FALSE:
+        return text in _TRUE
+    for kind, convert in (("int", int), ("float", float)):
+        if kind in kinds:
+            try:
+                return convert(value)
+            except ValueError:
+                pass
+    if kinds & {"bool", "int", "float"}:
+        raise ValueError(f"{name} must be {' or '.join(sorted(kinds & {'bool', 'int', 'float'}))}, got {value!r}")
+    return value
 
 
 def _check_quantization(value: str | None) -> None:
@@ -194,3 +267,6 @@ class EngineConfig:
     conv_state_dtype: Any = None
     ssm_state_dtype: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+_FIELD_TYPES = _field_types()

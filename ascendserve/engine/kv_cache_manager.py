@@ -46,9 +46,10 @@ class KVCacheManager:
 
         The last token is always recomputed because its logits are needed to sample: with
         block_size 4, a 9-token prompt can hit at most 2 blocks (8 tokens), an 8-token one only 1.
-        A request still computing prompt logprobs gets no hit (it needs every prompt position's logits).
+        A request still computing prompt logprobs gets no hit (it needs every prompt position's logits), nor one that
+        asks not to read the cache.
         """
-        if not self.enable_caching or request.prompt_logprobs_pending:
+        if not self.enable_caching or request.skips_prefix_cache:
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -94,7 +94,11 @@ class LLMEngine:
         return str(next(self._ids))
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt given as str, {"prompt": str} or {"prompt_token_ids": [...]}."""
+        """(text, token ids) of a prompt given as str, {"prompt": str} or {"prompt_token_ids": [...]}; a prompt with
+        vLLM's multi_modal_data is refused (it used to run as text alone, the images silently dropped)."""
+        if isinstance(prompt, dict) and (prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs")):
+            raise ValueError("multi_modal_data: images and video are not processed yet (the vision tower is not "
+                             "implemented); this engine runs the text path only")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = prompt["prompt_token_ids"]
             if isinstance(token_ids, (str, bytes)) or not all(
@@ -117,6 +121,9 @@ class LLMEngine:
         """Validate and queue a request (with `params.n` child sequences)."""
         params = params or SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:  # the last k tokens (-1: as many as leave room for one more)
+            k = params.truncate_prompt_tokens
+            token_ids = token_ids[-(self.config.max_model_len - 1 if k == -1 else k):]
         self.validate_prompt(token_ids)
         params.validate_against(self.vocab_size, self.config.args.max_logprobs)
         if params.bad_words:

@@ -27,6 +27,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    lora_request: None = None  # vLLM's field; no LoRA here
 
     def finished(self) -> bool:
         """True once a finish reason is set."""
@@ -43,7 +44,13 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)
+    metrics: None = None  # vLLM V1 leaves it None too (request metrics go to /metrics)
     # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None, each the token's Logprob and its
     # top tokens' (as the sampled logprobs); a DELTA stream carries them in its first output
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # vLLM's fields for features this engine does not have (LoRA, encoder-decoder models, multimodal, KV transfer)
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    multi_modal_placeholders: dict = field(default_factory=dict)
+    kv_transfer_params: None = None

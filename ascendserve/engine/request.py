@@ -95,6 +95,12 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def skips_prefix_cache(self) -> bool:
+        """Whether the prefix cache must not be read: prompt logprobs still to compute (a cached block's positions
+        would have no logits), or skip_reading_prefix_cache asked for."""
+        return self.prompt_logprobs_pending or bool(self.sampling_params.skip_reading_prefix_cache)
+
+    @property
     def prompt_logprobs_pending(self) -> bool:
         """Whether prompt logprobs are asked for and some are still to compute (the prefix cache is then skipped:
         a cached block's positions would have no logits)."""

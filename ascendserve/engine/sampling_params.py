@@ -71,6 +71,17 @@ class SamplingParams:
     # `structured_outputs_wait_for`: a token id (a reasoning model's </think>) after which the grammar starts
     structured_outputs: StructuredOutputsParams | None = None
     structured_outputs_wait_for: int | None = None
+    # Keep only the prompt's last k tokens (-1: the last max_model_len - 1), as vLLM's
+    truncate_prompt_tokens: int | None = None
+    # Compute the prompt again rather than reading the prefix cache (vLLM's; prompt_logprobs do so anyway)
+    skip_reading_prefix_cache: bool | None = None
+    # vLLM's, accepted: guided_decoding is structured_outputs' older name; extra_args (read by custom logits
+    # processors) and flat_logprobs (a container choice) change nothing here; per-request logits_processors (which
+    # vLLM's V1 engine dropped too) are refused
+    guided_decoding: StructuredOutputsParams | dict | None = None
+    extra_args: dict | None = None
+    flat_logprobs: bool = False
+    logits_processors: list | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Characters the detokenizer holds back so that a stop string is never streamed out.
     output_text_buffer_length: int = field(default=0, init=False)
@@ -107,6 +118,13 @@ class SamplingParams:
             self.logit_bias = _to_logit_bias(self.logit_bias)
         if self.stop and not self.include_stop_str_in_output:
             self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("guided_decoding is structured_outputs' older name; give one of them.")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.logits_processors:
+            raise ValueError("logits_processors: per-request logits processors are not supported (vLLM's V1 engine "
+                             "dropped them too); use logit_bias, allowed_token_ids, bad_words or structured_outputs.")
         if isinstance(self.structured_outputs, dict):  # vLLM's dict form: {"json": {...}} etc.
             try:
                 self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
@@ -171,6 +189,9 @@ class SamplingParams:
                     raise ValueError(f"{name} must be non-negative or -1 (whole vocabulary), got {value}.")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id)
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or (k < 1 and k != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len), got {k!r}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
         if self.stop and not self.detokenize:
@@ -212,6 +233,21 @@ class SamplingParams:
             if requested is not None and max_logprobs != -1 and requested > max_logprobs:
                 raise ValueError(f"{name}: requested {requested} logprobs per token, but at most {max_logprobs} "
                                  f"are allowed (max_logprobs; -1 lifts the cap).")
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """vLLM's: the fields given as None take their defaults."""
+        return cls(**{name: value for name, value in kwargs.items() if value is not None})
+
+    def update_from_generation_config(self, generation_config: dict, model_eos_token_id: int | None = None) -> None:
+        """vLLM's: a generation_config.json's eos_token_id(s) other than the model's own become stop token ids (unless
+        ignore_eos)."""
+        eos = generation_config.get("eos_token_id")
+        if eos is None or self.ignore_eos:
+            return
+        ids = {eos} if isinstance(eos, int) else set(eos)
+        ids.discard(model_eos_token_id)
+        self.stop_token_ids = sorted(set(self.stop_token_ids) | ids)
 
     def update_from_tokenizer(self, tokenizer) -> None:
         """Tokenize `bad_words` (vLLM's rule): each word alone, and after a space where that gives a different first
@@ -259,7 +295,7 @@ _REPR_FIELDS = (
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
     "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
     "skip_special_tokens", "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "bad_words",
-    "output_kind",
+    "truncate_prompt_tokens", "output_kind",
 )
 
 

@@ -11,6 +11,14 @@ from ascendserve.engine.outputs import RequestOutput
 from ascendserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
+def _pooling_only(name: str):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(f"LLM.{name} is only supported for pooling models (embedding, classification, "
+                                  f"reward), which this engine does not run; use generate / chat / beam_search")
+    method.__name__ = name
+    return method
+
+
 class LLM:
     """Generate from prompts with a continuously batched engine; takes vLLM's engine arguments."""
 
@@ -32,8 +40,14 @@ class LLM:
         return SamplingParams(**(self.llm_engine.default_sampling_params or {}))
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. vLLM's lora_request and priority are
+        accepted when they ask for nothing (None; priorities all 0): this engine has neither."""
+        _no_lora(lora_request)
+        if priority is not None and any(priority):
+            raise ValueError("priority: requests run first come, first served here (no priority scheduling); "
+                             "pass None or zeros")
         prompts = _as_list(prompts)
         params = _params_per_prompt(sampling_params or self.get_default_sampling_params(), len(prompts))
         engine = self.llm_engine
@@ -52,35 +66,52 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list | None = None) -> list[RequestOutput]:
-        """Render one conversation (list of messages) or many with the chat template, then generate."""
-        from ascendserve.entrypoints.openai.chat_utils import normalize_messages
+             continue_final_message: bool = False, tools: list | None = None, lora_request=None,
+             chat_template_content_format: str = "auto", mm_processor_kwargs: dict | None = None
+             ) -> list[RequestOutput]:
+        """Render one conversation (list of messages) or many with the chat template, then generate.
+        chat_template_kwargs override the named template arguments, as vLLM's; text content parts are joined
+        (chat_template_content_format has no other effect)."""
+        from ascendserve.entrypoints.openai.chat_utils import render_chat
         from ascendserve.entrypoints.openai.errors import OpenAIError
 
+        _no_lora(lora_request)
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: multimodal input is not implemented (the vision tower is not yet)")
+        kwargs = dict(chat_template_kwargs or {})
+        chat_template = kwargs.pop("chat_template", chat_template)
+        tools = kwargs.pop("tools", tools)
+        documents = kwargs.pop("documents", None)
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
         if continue_final_message and add_generation_prompt:  # transformers' and the server's error, before any work
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: pass "
                              "add_generation_prompt=False to continue the last assistant message")
         if not isinstance(messages, (list, tuple)):
             raise TypeError(f"messages must be a list of message dicts (or a list of such lists), got "
                             f"{type(messages).__name__}")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer, and this LLM was built with skip_tokenizer_init=True; "
+                             "use generate with token ids")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            try:  # the server's reading of the messages: content parts joined, null content "", arguments parsed
-                conversation = normalize_messages(conversation)
+            try:  # the server's rendering: content parts joined, null content "", arguments parsed
+                text = render_chat(tokenizer, conversation, chat_template=chat_template, tools=tools,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, documents=documents,
+                                   chat_template_kwargs=kwargs)
             except OpenAIError as e:
                 raise ValueError(e.message) from None
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, chat_template=chat_template, tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "add_special_tokens": False})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search: the best `params.beam_width` beams of each prompt (a str, {"prompt": ...} or
         {"prompt_token_ids": [...]}), best first; each beam's tokens and text hold its prompt too, as vLLM's."""
+        _no_lora(lora_request)
         engine = self.llm_engine
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
@@ -117,6 +148,16 @@ class LLM:
                 engine.abort_request([i for i in ids if i not in finished])
                 raise
         return [finished[i] for i in ids]
+
+
+    # vLLM's pooling API (embedding, classification, reward models): not run here, each a NotImplementedError
+    encode, embed, classify, score, reward = (_pooling_only(name) for name in
+                                              ("encode", "embed", "classify", "score", "reward"))
+
+
+def _no_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not implemented in this engine")
 
 
 def _as_list(prompts) -> list:

@@ -43,7 +43,10 @@ def load_hf_config(path: str, args: EngineArgs):
     else:
         from transformers import AutoConfig
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    apply_hf_overrides(config, args.hf_overrides or {})
+    if callable(args.hf_overrides):  # vLLM's other form: a function of the config, returning it
+        config = args.hf_overrides(config)
+    else:
+        apply_hf_overrides(config, args.hf_overrides or {})
     _refuse_quantized_checkpoint(config, path)
     return config
 

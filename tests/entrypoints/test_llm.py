@@ -1,6 +1,7 @@
 """The offline LLM API on the real demo model: shapes, argument errors, stops, seeds, n, logprobs, chat."""
 
 import math
+import os
 
 import pytest
 
@@ -268,3 +269,84 @@ def test_chat_uses_the_checkpoint_template(llm):
     assert cont[0].prompt.endswith("The colour")  # no end-of-turn, no new assistant header
     with pytest.raises(ValueError, match="text only"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
+
+
+def test_vllm_engine_arguments_the_offline_api_takes(caplog, monkeypatch):
+    """vLLM scripts' LLM(...) arguments: those with no use here warn once each (they were a TypeError), strings for
+    booleans and numbers read as vLLM's config parsing reads them ("no" turned prefix caching on), a torch.dtype by
+    its name, an int compilation_config as vLLM's level; hf_token sets HF_TOKEN."""
+    import logging
+
+    import torch
+
+    from ascendserve.config import EngineArgs
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with caplog.at_level(logging.WARNING):
+        args = EngineArgs.from_kwargs("m", swap_space=4, cpu_offload_gb=0, enable_lora=False, scheduling_policy="fcfs",
+                                      disable_log_stats=True, hf_token="hf_x", enable_prefix_caching="no",
+                                      gpu_memory_utilization="0.5", max_num_seqs="8", dtype=torch.bfloat16,
+                                      compilation_config=3)
+    assert (args.enable_prefix_caching, args.gpu_memory_utilization, args.max_num_seqs, args.dtype) == \
+        (False, 0.5, 8, "bfloat16")
+    assert args.compilation_config == {"level": 3} and os.environ["HF_TOKEN"] == "hf_x"
+    warned = [r.getMessage() for r in caplog.records]
+    assert sum("swap_space=4 is accepted but has no effect" in m for m in warned) == 1
+    assert not any(name in m for m in warned for name in ("cpu_offload_gb", "enable_lora", "scheduling_policy"))
+    with pytest.raises(ValueError, match="enforce_eager must be bool, got 'maybe'"):
+        EngineArgs.from_kwargs("m", enforce_eager="maybe")
+
+
+def test_calls_vllm_scripts_make(llm):
+    """lora_request=None and zero priorities are accepted (a TypeError before), a real one refused; prompts with
+    multi_modal_data are refused (they ran as text, the images dropped); the pooling API says it is not here."""
+    prompt = "The capital of France is"
+    out = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=None, priority=[0])[0]
+    assert out.lora_request is None and out.metrics is None and out.outputs[0].lora_request is None
+    with pytest.raises(ValueError, match="lora_request: LoRA adapters are not implemented"):
+        llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=object())
+    with pytest.raises(ValueError, match="priority: requests run first come, first served"):
+        llm.generate(prompt, GREEDY, use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="multi_modal_data: images and video are not processed yet"):
+        llm.generate({"prompt": prompt, "multi_modal_data": {"image": "x"}}, GREEDY, use_tqdm=False)
+    for name in ("encode", "embed", "classify", "score", "reward"):
+        with pytest.raises(NotImplementedError, match=f"LLM.{name} is only supported for pooling models"):
+            getattr(llm, name)(prompt)
+    assert pool_is_idle(llm)
+
+
+def test_sampling_params_fields_of_vllm(llm):
+    """truncate_prompt_tokens keeps the prompt's last k tokens; skip_reading_prefix_cache computes a cached prompt
+    again; guided_decoding is structured_outputs; logits_processors are refused; from_optional and
+    update_from_generation_config as vLLM's (each a TypeError or AttributeError before)."""
+    prompt = "One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " * 2
+    ids = llm.get_tokenizer().encode(prompt)
+    out = llm.generate(prompt, SamplingParams(max_tokens=2, truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-5:]
+    llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)[0].num_cached_tokens > 0
+    assert llm.generate(prompt, SamplingParams(max_tokens=1, skip_reading_prefix_cache=True),
+                        use_tqdm=False)[0].num_cached_tokens == 0
+    guided = llm.generate("Yes or no?", SamplingParams(max_tokens=4, guided_decoding={"choice": ["yes", "no"]},
+                                                       extra_args={"k": 1}, flat_logprobs=True), use_tqdm=False)[0]
+    assert guided.outputs[0].text in ("yes", "no")
+    with pytest.raises(ValueError, match="logits_processors: per-request logits processors are not supported"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1, or -1"):
+        SamplingParams(truncate_prompt_tokens=0)
+    assert SamplingParams.from_optional(temperature=None, top_p=0.5).temperature == 1.0
+    params = SamplingParams(stop_token_ids=[9])
+    params.update_from_generation_config({"eos_token_id": [1, 2]}, model_eos_token_id=1)
+    assert params.stop_token_ids == [2, 9]
+
+
+def test_chat_template_kwargs_override_the_named_arguments(llm):
+    """vLLM's LLM.chat: chat_template_kwargs win over the named arguments (a TypeError from transformers before);
+    without a tokenizer chat says so."""
+    conversation = [{"role": "user", "content": "Hi"}]
+    plain = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
+    bare = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})[0]
+    assert plain.prompt.startswith(bare.prompt) and len(plain.prompt) > len(bare.prompt)
+    tokenless = LLM.__new__(LLM)
+    tokenless.llm_engine = type("E", (), {"tokenizer": None})()
+    with pytest.raises(ValueError, match="chat needs a tokenizer"):
+        tokenless.chat(conversation)

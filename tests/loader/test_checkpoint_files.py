@@ -110,3 +110,17 @@ def test_generation_config_defaults_in_the_offline_api(tmp_path):
     assert over.get_default_sampling_params().max_tokens == 5
     with pytest.raises(ValueError, match="generation_config '/nowhere' must be 'auto', 'vllm' or a directory"):
         LLM(str(tmp_path), skip_tokenizer_init=True, generation_config="/nowhere")
+
+
+def test_hf_overrides_may_be_a_function_of_the_config(tmp_path):
+    """vLLM's callable hf_overrides: the config it returns is the one used (an AttributeError before)."""
+    expected = save_llama(tmp_path)
+
+    def longer(config):
+        config.max_position_embeddings = 96
+        return config
+
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_gpu_blocks_override=32,
+              hf_overrides=longer)
+    assert llm.llm_engine.config.hf_config.max_position_embeddings == 96 and llm.llm_engine.config.max_model_len == 96
+    assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected

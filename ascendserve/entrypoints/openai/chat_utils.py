@@ -213,8 +213,8 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None, t
     if tokenizer is None:
         raise OpenAIError("This server runs without a tokenizer: chat needs one.", 400)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise OpenAIError("This model has no chat template; start the server with --chat-template "
-                          "(a file or a Jinja string), or use /v1/completions.", 400)
+        raise OpenAIError("This model has no chat template; give one (the server's --chat-template, a file or a Jinja "
+                          "string, or chat_template=...), or use completions.", 400)
     if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
         raise OpenAIError("continue_final_message needs the last message to be an assistant message.", 400,
                           param="continue_final_message")
