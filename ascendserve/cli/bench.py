@@ -256,6 +256,15 @@ def _llm(ns):
     return LLM(args.model, **{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name != "model"})
 
 
+def _check_fit(llm, num_tokens: int) -> None:
+    """vLLM's check: the longest request (prompt + output) fits max_model_len; it used to run with its output cut
+    short, or stop with a traceback, and report numbers for fewer tokens than asked."""
+    limit = llm.llm_engine.config.max_model_len
+    if num_tokens > limit:
+        raise ValueError(f"a request of {num_tokens} tokens (input + output length) does not fit max_model_len "
+                         f"{limit}; lower --input-len / --output-len or raise --max-model-len")
+
+
 def run_throughput(ns) -> int:
     """Generate random-token requests offline and print vLLM's throughput line."""
     from ascendserve.bench.throughput import format_throughput, run_throughput as run, save_json, throughput_dict
@@ -265,10 +274,11 @@ def run_throughput(ns) -> int:
         llm = _llm(ns)
         prompts, out_lens = workload(ns.num_prompts, llm.llm_engine.vocab_size, ns.input_len, ns.output_len,
                                      ns.random_range_ratio, ns.min_len, ns.max_len, ns.seed)
-    except ValueError as e:
+        _check_fit(llm, max(len(p) + n for p, n in zip(prompts, out_lens)))
+        result = run(llm, prompts, out_lens)
+    except (ValueError, OSError) as e:
         print(f"ascendserve bench throughput: error: {e}", file=sys.stderr)
         return 2
-    result = run(llm, prompts, out_lens)
     print(format_throughput(result))
     if ns.output_json:
         save_json(throughput_dict(result), ns.output_json)
@@ -281,11 +291,12 @@ def run_latency(ns) -> int:
     from ascendserve.bench.throughput import save_json
     try:
         llm = _llm(ns)
-    except ValueError as e:
+        _check_fit(llm, ns.input_len + ns.output_len)
+        timings = run(llm.llm_engine, ns.batch_size, ns.input_len, ns.output_len, ns.num_iters,
+                      ns.num_iters_warmup, ns.seed)
+    except (ValueError, OSError) as e:
         print(f"ascendserve bench latency: error: {e}", file=sys.stderr)
         return 2
-    timings = run(llm.llm_engine, ns.batch_size, ns.input_len, ns.output_len, ns.num_iters,
-                  ns.num_iters_warmup, ns.seed)
     summary = latency_summary(timings)
     print(format_latency(summary, ns.batch_size))
     if ns.output_json:

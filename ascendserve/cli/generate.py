@@ -29,13 +29,17 @@ def run(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"ascendserve generate: error: {e}", file=sys.stderr)
         return 2
-    args = engine_args_from(ns)
-    llm = LLM(**vars(args))
-    tokenizer = llm.get_tokenizer()
-    if ns.raw or tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        outputs = llm.generate(ns.prompts, params, use_tqdm=False)
-    else:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompts], params, use_tqdm=False)
+    try:  # a bad engine flag, model or prompt: one error line, not a traceback
+        args = engine_args_from(ns)
+        llm = LLM(**vars(args))
+        tokenizer = llm.get_tokenizer()
+        if ns.raw or tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            outputs = llm.generate(ns.prompts, params, use_tqdm=False)
+        else:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompts], params, use_tqdm=False)
+    except (ValueError, OSError) as e:
+        print(f"ascendserve generate: error: {e}", file=sys.stderr)
+        return 2
     for prompt, output in zip(ns.prompts, outputs):
         print(f"Prompt: {prompt}\nAnswer: {output.outputs[0].text.strip()}\n", flush=True)
     return 0

@@ -23,11 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _mark_leaves(parser: argparse.ArgumentParser) -> None:
     """Each subcommand's parser records itself (`_parser`), so that an unknown flag is reported by the parser of
-    the command it was given to, with that command's usage line."""
+    the command it was given to, with that command's usage line; none takes abbreviated flags."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():
                 child.set_defaults(_parser=child)
+                child.allow_abbrev = False  # "--n" must not pass for some --n... flag (vLLM's parsers refuse it too)
                 _mark_leaves(child)
 
 

@@ -239,3 +239,25 @@ def test_generate_checks_sampling_flags_before_loading_the_model(flags, message,
     monkeypatch.setattr(llm_module, "LLM", no_model)
     assert main(["generate", "x", *flags]) == 2
     assert f"ascendserve generate: error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "x", "--kv-cache-dtype", "fp8"], "ascendserve generate: error: kv_cache_dtype 'fp8' is not supported"),
+    (["generate", "x", "--model", "/no/such/model"], "ascendserve generate: error: Model '/no/such/model' was not found"),
+    (["bench", "throughput", "--n", "2"], "unrecognized arguments: --n"),  # an abbreviation was ambiguous, or taken
+])
+def test_cli_errors_are_one_line(argv, message, capsys):
+    """Engine errors in generate were tracebacks; abbreviated flags are not taken (vLLM's --n read as a prefix)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_latency_refuses_requests_that_do_not_fit(capsys):
+    """vLLM's check: input + output within max_model_len (it ran with the output cut to 5 of 32 tokens and reported
+    those numbers)."""
+    assert main(["bench", "latency", "--max-model-len", "256", "--input-len", "250", "--output-len", "32",
+                 "--num-iters", "1", "--num-iters-warmup", "0"]) == 2
+    assert "a request of 282 tokens (input + output length) does not fit max_model_len 256" in capsys.readouterr().err
