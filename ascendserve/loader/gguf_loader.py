@@ -254,6 +254,10 @@ def load_gguf_tokenizer(path: str, **kwargs: Any):
             logger.warning("Cached tokenizer %s unreadable (%s); converting %s again", cached, e, path)
             shutil.rmtree(cached, ignore_errors=True)
     if tokenizer is None:
+        if _open(path).get("tokenizer.ggml.model") is None:
+            raise UnsupportedGGUFError(f"{path} holds no tokenizer (no tokenizer.ggml.* metadata): pass the original "
+                                       f"model's tokenizer with --tokenizer (a directory or repo id), or "
+                                       f"--skip-tokenizer-init to send token ids")
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                   **kwargs)
     if getattr(tokenizer, "chat_template", None) is None:

@@ -190,6 +190,13 @@ def test_unknown_tensor_name_and_architecture(tmp_path):
         load_gguf_config(str(tmp_path / "g.gguf"))
 
 
+def test_a_gguf_without_a_tokenizer_says_what_to_pass(tmp_path):
+    _write_minimal(tmp_path / "t.gguf", [])
+    with pytest.raises(UnsupportedGGUFError, match="holds no tokenizer .* pass the original model's tokenizer with "
+                                                   "--tokenizer"):
+        load_gguf_tokenizer(str(tmp_path / "t.gguf"))
+
+
 def test_missing_shape_metadata_is_named(tmp_path):
     """A GGUF without a shape key the model needs: an error naming the key (it was a bare TypeError about None)."""
     _write_minimal(tmp_path / "m.gguf", [], feed_forward=False)
