@@ -7,6 +7,7 @@ configuration of the next run. This catches it at test time without starting any
 
 import ast
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -181,3 +182,10 @@ def test_an_older_qwen35_directory_gets_the_fp32_state_declared(tmp_path, monkey
     config = json.loads((tmp_path / "config.json").read_text())
     assert config == {"model_type": "qwen3_5_text", "hidden_size": 1024, "mamba_ssm_dtype": "float32"}
     assert _module("qwen3_5_speed").QWEN3_5_08B["mamba_ssm_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (Path(__file__).parents[2] / "benchmarks").glob("*.sh")))
+def test_shell_scripts_parse(script):
+    """The benchmark shell scripts run rarely (on a lent GPU, or a regression check): at least they parse."""
+    path = Path(__file__).parents[2] / "benchmarks" / script
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True).returncode == 0
