@@ -136,8 +136,8 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> to
         apply_grammar_masks(logits, [row.grammar for row in rows])
     _apply_allowed_token_ids(logits, rows)
     _apply_logit_bias(logits, rows)
-    _apply_min_tokens(logits, rows)
-    _apply_bad_words(logits, rows)
+    _ban(logits, rows, _min_tokens_banned)
+    _ban(logits, rows, _bad_words_banned)
     apply_penalties(logits, rows)
     return logits
 
@@ -227,20 +227,11 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits.index_put_(where, values, accumulate=True)
 
 
-def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+def _ban(logits: torch.Tensor, rows: list[SamplingRow], banned_of) -> None:
+    """Set to -inf, in place, the tokens `banned_of(row)` lists for each row."""
     row_ids, token_ids = [], []
     for i, row in enumerate(rows):
-        banned = _min_tokens_banned(row)
-        row_ids += [i] * len(banned)
-        token_ids += banned
-    if row_ids:
-        logits[_index(row_ids, logits.device), _index(token_ids, logits.device)] = _NEG_INF
-
-
-def _apply_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    row_ids, token_ids = [], []
-    for i, row in enumerate(rows):
-        banned = _bad_words_banned(row)
+        banned = banned_of(row)
         row_ids += [i] * len(banned)
         token_ids += banned
     if row_ids:

@@ -360,6 +360,15 @@ def test_metrics_count_each_child_of_n_under_its_own_finish_reason(llm):
     assert {r: after[r] - before[r] for r in after} == {r: float(reasons.count(r)) for r in ("stop", "length", "abort")}
 
 
+def _final_output_when_idle(llm, params, request_id: str):
+    """Generate from "Once upon a time"; the last output, once the engine is idle again (its metrics published)."""
+    async def run():
+        outputs = [o async for o in llm.generate("Once upon a time", params, request_id)]
+        await wait_idle(llm)
+        return outputs[-1]
+    return asyncio.run(run())
+
+
 def test_metrics_count_each_child_of_n_as_a_request(llm):
     """vLLM V1 counts every child of an `n` request as a request of its own: its prompt in prompt_tokens, one TTFT,
     one inter-token latency per later token, one e2e latency each (was: the prompt and the TTFT once per parent, one
@@ -368,14 +377,8 @@ def test_metrics_count_each_child_of_n_as_a_request(llm):
              "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
              "vllm:e2e_request_latency_seconds_count"]
     before = {name: sample(llm, name) for name in names}
-    params = SamplingParams(n=3, seed=1, temperature=1.0, max_tokens=5, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
-
-    async def run():
-        outputs = [o async for o in llm.generate("Once upon a time", params, "n3")]
-        await wait_idle(llm)
-        return outputs[-1]
-    final = asyncio.run(run())
+    final = _final_output_when_idle(llm, SamplingParams(n=3, seed=1, temperature=1.0, max_tokens=5, ignore_eos=True,
+                                                        output_kind=RequestOutputKind.FINAL_ONLY), "n3")
     assert [len(c.token_ids) for c in final.outputs] == [5, 5, 5]
     prompt_len = len(final.prompt_token_ids)
     assert {name: sample(llm, name) - before[name] for name in names} == {
@@ -396,14 +399,8 @@ def test_metrics_request_phases_params_and_step_tokens(llm):
              "vllm:time_per_output_token_seconds_count", "vllm:iteration_tokens_total_count",
              "vllm:iteration_tokens_total_sum"]
     before = {name: sample(llm, name) for name in names}
-    params = SamplingParams(n=2, seed=1, temperature=1.0, max_tokens=6, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
-
-    async def run():
-        outputs = [o async for o in llm.generate("Once upon a time", params, "phases")]
-        await wait_idle(llm)
-        return outputs[-1]
-    final = asyncio.run(run())
+    final = _final_output_when_idle(llm, SamplingParams(n=2, seed=1, temperature=1.0, max_tokens=6, ignore_eos=True,
+                                                        output_kind=RequestOutputKind.FINAL_ONLY), "phases")
     delta = {name: sample(llm, name) - before[name] for name in names}
     assert (delta["vllm:request_params_n_count"], delta["vllm:request_params_n_sum"]) == (1, 2)
     assert delta["vllm:request_max_num_generation_tokens_sum"] == 6
