@@ -28,10 +28,12 @@ class IterationTiming:
         return (self.latency - self.prefill) / self.decode_steps if self.decode_steps else 0.0
 
 
-def run_batch(engine, prompts: list[list[int]], output_len: int) -> IterationTiming:
-    """Add every prompt, step until all finish, and time prefill and decode."""
+def run_batch(engine, prompts: list[list[int]], output_len: int, n: int = 1,
+              detokenize: bool = True) -> IterationTiming:
+    """Add every prompt (`n` sequences each), step until all finish, and time prefill and decode."""
     from ascendserve import SamplingParams
-    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
+    params = SamplingParams(n=n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len,
+                            detokenize=detokenize)
     started: set[str] = set()
     start = time.perf_counter()
     ids = []
@@ -52,7 +54,7 @@ def run_batch(engine, prompts: list[list[int]], output_len: int) -> IterationTim
 
 
 def run_latency(engine, batch_size: int, input_len: int, output_len: int, num_iters: int,
-                num_iters_warmup: int, seed: int = 0) -> list[IterationTiming]:
+                num_iters_warmup: int, seed: int = 0, n: int = 1, detokenize: bool = True) -> list[IterationTiming]:
     """Warm up, then time `num_iters` batches of the same shape. Each batch has prompts of its own: a repeated one
     would be a prefix-cache hit (prefix caching is on by default), timing no prefill at all."""
     rng = np.random.default_rng(seed)
@@ -61,8 +63,8 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, num_it
         return [rng.integers(0, engine.vocab_size, size=input_len).tolist() for _ in range(batch_size)]
 
     for _ in range(num_iters_warmup):
-        run_batch(engine, prompts(), output_len)
-    return [run_batch(engine, prompts(), output_len) for _ in range(num_iters)]
+        run_batch(engine, prompts(), output_len, n, detokenize)
+    return [run_batch(engine, prompts(), output_len, n, detokenize) for _ in range(num_iters)]
 
 
 def latency_summary(timings: list[IterationTiming]) -> dict:

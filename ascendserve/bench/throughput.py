@@ -46,18 +46,20 @@ def workload(num_prompts: int, vocab_size: int, input_len: int, output_len: int,
     return prompts, [max(1, int(n)) for n in out_lens]
 
 
-def run_throughput(llm, prompts: list[list[int]], output_lens: list[int]) -> ThroughputResult:
-    """Generate every request once (after a one-request warm-up on a prompt of its own: a measured one would be a
-    prefix-cache hit) and time the whole batch."""
+def run_throughput(llm, prompts: list[list[int]], output_lens: list[int], n: int = 1,
+                   detokenize: bool = True) -> ThroughputResult:
+    """Generate every request once, `n` sequences each (after a one-request warm-up on a prompt of its own: a measured
+    one would be a prefix-cache hit), and time the whole batch."""
     from ascendserve import SamplingParams
     warmup = [(token + 1) % llm.llm_engine.vocab_size for token in prompts[0]]
     llm.generate([{"prompt_token_ids": warmup}], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n) for n in output_lens]
+    params = [SamplingParams(n=n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=length,
+                             detokenize=detokenize) for length in output_lens]
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(p) for p in prompts)
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     total = prompt_tokens + output_tokens
     return ThroughputResult(elapsed, len(prompts), total, prompt_tokens, output_tokens, len(prompts) / elapsed,
                             total / elapsed, output_tokens / elapsed)

@@ -120,8 +120,13 @@ def _add_offline_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, help="model path or repo id (default: the demo model)")
     p.add_argument("--model", default=None)
     add_engine_flags(p)
-    p.add_argument("--input-len", type=positive_int, default=128)
-    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=positive_int, default=128)
+    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=positive_int, default=128)
+    p.add_argument("--n", type=positive_int, default=1, help="sequences generated per prompt (sampled)")
+    p.add_argument("--disable-detokenize", action="store_true", help="time generation without detokenizing")
+    p.add_argument("--dataset-name", default="random", choices=["random"],
+                   help="vLLM's flag; the offline benchmarks generate random token prompts")
+    p.add_argument("--backend", default="vllm", choices=["vllm"], help="vLLM's flag: this engine's offline LLM")
     p.add_argument("--output-json", default=None, help="write the results to this JSON file")
 
 
@@ -274,8 +279,8 @@ def run_throughput(ns) -> int:
         llm = _llm(ns)
         prompts, out_lens = workload(ns.num_prompts, llm.llm_engine.vocab_size, ns.input_len, ns.output_len,
                                      ns.random_range_ratio, ns.min_len, ns.max_len, ns.seed)
-        _check_fit(llm, max(len(p) + n for p, n in zip(prompts, out_lens)))
-        result = run(llm, prompts, out_lens)
+        _check_fit(llm, max(len(p) + length for p, length in zip(prompts, out_lens)))
+        result = run(llm, prompts, out_lens, ns.n, not ns.disable_detokenize)
     except (ValueError, OSError) as e:
         print(f"ascendserve bench throughput: error: {e}", file=sys.stderr)
         return 2
@@ -293,7 +298,7 @@ def run_latency(ns) -> int:
         llm = _llm(ns)
         _check_fit(llm, ns.input_len + ns.output_len)
         timings = run(llm.llm_engine, ns.batch_size, ns.input_len, ns.output_len, ns.num_iters,
-                      ns.num_iters_warmup, ns.seed)
+                      ns.num_iters_warmup, ns.seed, ns.n, not ns.disable_detokenize)
     except (ValueError, OSError) as e:
         print(f"ascendserve bench latency: error: {e}", file=sys.stderr)
         return 2

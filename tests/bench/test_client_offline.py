@@ -261,3 +261,14 @@ def test_bench_latency_refuses_requests_that_do_not_fit(capsys):
     assert main(["bench", "latency", "--max-model-len", "256", "--input-len", "250", "--output-len", "32",
                  "--num-iters", "1", "--num-iters-warmup", "0"]) == 2
     assert "a request of 282 tokens (input + output length) does not fit max_model_len 256" in capsys.readouterr().err
+
+
+def test_bench_throughput_takes_vllms_n_and_flag_names(tmp_path):
+    """vLLM's --n (sequences per prompt), --random-input-len / --random-output-len, --dataset-name random,
+    --backend vllm and --disable-detokenize (each an unrecognized or ambiguous flag before)."""
+    out = tmp_path / "t.json"
+    assert main(["bench", "throughput", "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "4",
+                 "--n", "2", "--dataset-name", "random", "--backend", "vllm", "--disable-detokenize",
+                 "--max-model-len", "256", "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == 2 and result["total_num_tokens"] == 2 * 8 + 2 * 2 * 4
