@@ -126,6 +126,9 @@ class LLMEngine:
             token_ids = token_ids[-(self.config.max_model_len - 1 if k == -1 else k):]
         self.validate_prompt(token_ids)
         params.validate_against(self.vocab_size, self.config.args.max_logprobs)
+        if params.stop and self.tokenizer is None:  # no text to find them in
+            raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init); use "
+                             "stop_token_ids")
         if params.bad_words:
             if self.tokenizer is None:
                 raise ValueError("bad_words need a tokenizer (the engine runs with skip_tokenizer_init)")

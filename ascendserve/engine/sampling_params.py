@@ -231,7 +231,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab_size}, got {value}.")
             requested = vocab_size if value == -1 else value
             if requested is not None and max_logprobs != -1 and requested > max_logprobs:
-                raise ValueError(f"{name}: requested {requested} logprobs per token, but at most {max_logprobs} "
+                shown = f"-1 (the whole vocabulary: {vocab_size})" if value == -1 else value
+                raise ValueError(f"{name}: requested {shown} logprobs per token, but at most {max_logprobs} "
                                  f"are allowed (max_logprobs; -1 lifts the cap).")
 
     @classmethod

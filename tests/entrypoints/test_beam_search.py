@@ -74,3 +74,15 @@ def test_beam_search_errors(tiny):
         BeamSearchParams(beam_width=0, max_tokens=2)
     with pytest.raises(TypeError, match="BeamSearchParams"):
         llm.beam_search(["x"], {"beam_width": 2})
+
+
+def test_text_options_without_a_tokenizer_are_refused(tiny):
+    """stop strings and bad_words need text: with skip_tokenizer_init they are errors (stop strings were accepted and
+    could never match)."""
+    from ascendserve import SamplingParams
+    llm = tiny[0]
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2, stop=["x"]), use_tqdm=False)
+    with pytest.raises(ValueError, match="bad_words need a tokenizer"):
+        llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2, bad_words=["x"]), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

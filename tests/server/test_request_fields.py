@@ -150,6 +150,14 @@ def test_beam_search(http):
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     check_error(http.post("/v1/completions", json={"prompt": "x", "use_beam_search": True, "n": 11}), 400,
                 param="n", contains=("2 x 11 = 22 logprobs", "--max-logprobs"))
+    # echo + logprobs and prompt_logprobs carry the prompt's logprobs with beam search too (they were all null)
+    echoed = _complete(http, prompt=prompt, use_beam_search=True, n=2, max_tokens=2, echo=True, logprobs=1,
+                       prompt_logprobs=1)["choices"][0]
+    plain = _complete(http, prompt=prompt, max_tokens=1, echo=True, logprobs=1)["choices"][0]
+    head = len(prompt_ids)
+    assert echoed["logprobs"]["token_logprobs"][:head] == plain["logprobs"]["token_logprobs"][:head]
+    assert echoed["logprobs"]["token_logprobs"][0] is None and None not in echoed["logprobs"]["token_logprobs"][1:]
+    assert len(echoed["prompt_logprobs"]) == head
 
 
 def test_completions_default_to_16_tokens(http):

@@ -7,6 +7,8 @@ exits only once that loop has ended. The shared test server runs with --async-sc
 
 import json
 import signal
+import threading
+import time
 
 import pytest
 
@@ -42,10 +44,25 @@ def test_a_signal_aborts_the_requests_in_flight_and_ends_the_server(sig):
     """vLLM's default --shutdown-timeout 0: a stream in flight ends at once with finish_reason 'abort' and [DONE]
     (it used to run to its last token: with long generations the process did not exit for minutes)."""
     server = RemoteServer(ARGS)
+    beam = {}
+
+    def beam_search():  # a beam search in flight too: its steps are aborted, and its beams so far come back
+        with server.http() as http:
+            beam["response"] = http.post("/v1/completions", json={
+                "model": "demo", "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True,
+                "use_beam_search": True, "n": 3})
+
     try:
+        searcher = threading.Thread(target=beam_search)
+        searcher.start()
+        time.sleep(2)
         chunks = stream_then_signal(server, sig, max_tokens=1000)
         assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
         assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) < 1000
+        searcher.join(timeout=60)
+        response = beam["response"]  # it used to be a 500 (IndexError), or no answer at all
+        assert response.status_code == 200, response.text
+        assert [c["finish_reason"] for c in response.json()["choices"]] == ["abort"] * 3
         assert_exits_cleanly(server, sig)
     finally:
         server.stop()

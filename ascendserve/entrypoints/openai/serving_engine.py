@@ -195,7 +195,7 @@ class OpenAIServing:
             logger.debug("Request %s prompt: %r", request_id, (prompt.get("prompt") or "")[clip])
         if beam is not None:  # the search's steps are added as it runs
             return BeamSearchStream(self.engine, request_id, prompt["prompt_token_ids"], beam,
-                                    params.logprobs is not None)
+                                    params.logprobs is not None, params.prompt_logprobs)
         try:
             # the engine's id is unique even when clients reuse an X-Request-Id (vLLM's suffix)
             return await self.engine.add_request(f"{request_id}-{random_uuid()[:8]}", prompt, params)
@@ -210,9 +210,9 @@ class BeamSearchStream:
     `n` finished choices, text without a final EOS (vLLM's)."""
 
     def __init__(self, engine, request_id: str, prompt_ids: list[int], params: BeamSearchParams,
-                 logprobs: bool) -> None:
+                 logprobs: bool, prompt_logprobs: int | None = None) -> None:
         self.engine, self.request_id, self.prompt_ids = engine, request_id, prompt_ids
-        self.params, self.logprobs = params, logprobs
+        self.params, self.logprobs, self.prompt_logprobs = params, logprobs, prompt_logprobs
         self.finished = False
         self._steps: list = []  # the engine streams of the step running
 
@@ -225,14 +225,26 @@ class BeamSearchStream:
         self.finished = True
         eos = self.engine.eos_token_ids
         search = BeamSearch([self.prompt_ids], self.params, eos, self.engine.config.max_model_len)
+        prompt_logprobs, aborted = None, False
         try:
-            while batch := search.pending():
+            while (batch := search.pending()) and not getattr(self.engine, "shutting_down", False):
                 step_id = f"{self.request_id}-{search.steps}-{random_uuid()[:8]}"
+                step_params = search.step_params
+                if search.steps == 0 and self.prompt_logprobs is not None:  # the first step's one beam is the prompt
+                    step_params = step_params.clone()
+                    step_params.prompt_logprobs = self.prompt_logprobs
                 self._steps = []
                 for i, tokens in enumerate(batch):
                     self._steps.append(await self.engine.add_request(f"{step_id}-{i}", {"prompt_token_ids": tokens},
-                                                                     search.step_params))
-                search.advance(await asyncio.gather(*(_last_output(s) for s in self._steps)))
+                                                                     step_params))
+                outputs = await asyncio.gather(*(_last_output(s) for s in self._steps))
+                prompt_logprobs = prompt_logprobs or outputs[0].prompt_logprobs
+                if any(o is None or o.outputs[0].finish_reason == "abort" or not o.outputs[0].logprobs
+                       for o in outputs):  # a step aborted (shutdown, or the engine): the beams so far end here
+                    aborted = True
+                    break
+                search.advance(outputs)
+            aborted = aborted or bool(search.pending())  # stopped by a shutdown
         finally:
             self.abort()
         start, tokenizer = len(self.prompt_ids), self.engine.tokenizer
@@ -242,8 +254,8 @@ class BeamSearchStream:
             shown = tokens[:-1] if beam.finish_reason == "stop" else tokens
             text = tokenizer.decode(shown, skip_special_tokens=True) if tokenizer is not None else ""
             choices.append(CompletionOutput(i, text, tokens, beam.cum_logprob, beam.logprobs if self.logprobs else None,
-                                            beam.finish_reason, beam.stop_reason))
-        return RequestOutput(self.request_id, None, self.prompt_ids, choices, True)
+                                            "abort" if aborted else beam.finish_reason, beam.stop_reason))
+        return RequestOutput(self.request_id, None, self.prompt_ids, choices, True, prompt_logprobs=prompt_logprobs)
 
     def abort(self) -> None:
         """Stop the search: the step's requests are aborted."""
@@ -261,8 +273,8 @@ async def _last_output(stream):
 
 
 _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens",
-                "min_tokens", "logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "presence_penalty",
-                "frequency_penalty", "repetition_penalty", "prompt"}
+                "min_tokens", "logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words",
+                "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt"}
 
 
 def _param_in(message: str) -> str | None:
