@@ -213,7 +213,7 @@ def test_cli_flags_parse():
     (["bench", "serve", "--random-range-ratio", "1.5"], "--random-range-ratio: must be in [0, 1)"),
     (["bench", "serve", "--percentile-metrics", "ttft,foo"], "unknown metric ['foo']"),
     (["bench", "serve", "--metric-percentiles", "50,abc"], "--metric-percentiles: comma-separated numbers"),
-    (["bench", "throughput", "--output-len", "0"], "--output-len: must be at least 1"),
+    (["bench", "throughput", "--output-len", "0"], "--output-len/--random-output-len: must be at least 1"),
     (["generate", "x", "--max-tokens", "0"], "--max-tokens: must be at least 1"),
     (["bench", "serve", "--goodput", "itl:5"], "--goodput: KEY:MS with KEY one of ttft, tpot, e2el"),
     (["bench", "serve", "--goodput", "ttft:fast"], "--goodput: a number of milliseconds after ttft:"),
