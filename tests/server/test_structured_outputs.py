@@ -56,7 +56,12 @@ def test_vllm_structured_outputs_and_guided_fields_on_completions(server):
         out = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=60, temperature=0.7, seed=1,
                                         n=2, extra_body=body)
         for choice in out.choices:
-            assert check(choice.text), (body, choice.text)
+            if choice.finish_reason == "length" and "grammar" in body.get("structured_outputs", {}):
+                # the grammar's (b|c)+ has no bound: the demo may repeat "c" to max_tokens; what it wrote so far
+                # must still be a prefix the grammar allows
+                assert re.fullmatch(r"a[bc]*", choice.text), (body, choice.text)
+            else:
+                assert check(choice.text), (body, choice.text)
     with server.http() as http:  # streamed, the pieces join into a valid output
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Phone:", "max_tokens": 20, "stream": True,
                                                 "guided_regex": r"\+[0-9]{2} [0-9]{4}"})
