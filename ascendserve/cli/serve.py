@@ -162,7 +162,7 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-log-requests", action="store_true", help="vLLM's older switch; requests are not "
                                                                        "logged unless --enable-log-requests")
     p.add_argument("--max-log-len", type=int, default=None,
-                   help="at most this many characters of a logged prompt (and of its parameters)")
+                   help="at most this many characters (and token ids) of a logged prompt")
     p.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / cache log line")
     p.add_argument("--hf-token", default=None, help="token for gated Hugging Face downloads (sets HF_TOKEN)")
     p.add_argument("--shutdown-timeout", type=float, default=0.0,
@@ -270,8 +270,7 @@ def bind_socket(ns: argparse.Namespace):
     import socket
 
     if ns.uds:
-        if os.path.exists(ns.uds) and not os.path.isfile(ns.uds):
-            os.unlink(ns.uds)  # a stale socket file of an earlier run
+        _remove_stale_socket(ns.uds)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         address = ns.uds
     else:
@@ -290,6 +289,40 @@ def bind_socket(ns: argparse.Namespace):
         raise
     sock.set_inheritable(True)
     return sock
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Remove the socket file at `path` that an earlier run left (nothing listens on it); raise OSError
+    (EADDRINUSE) when a server still listens there. Anything else at `path` is left for bind() to refuse."""
+    import errno
+    import socket
+    import stat
+
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return
+    except FileNotFoundError:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:  # nobody listens: stale
+            os.unlink(path)
+            return
+        except OSError:
+            return
+    raise OSError(errno.EADDRINUSE, "Address already in use (another server listens on this socket)")
+
+
+def _remove_socket_file(path: str) -> None:
+    """The --uds socket file, once the server has stopped (as uvicorn does for a socket it binds itself)."""
+    import stat
+
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def load_middleware(name: str):
@@ -312,7 +345,7 @@ def uvicorn_config(ns: argparse.Namespace, app):
     import uvicorn
 
     # Past the drain, uvicorn cancels what still runs (a client that does not read its finished stream, say).
-    return uvicorn.Config(app, host=ns.host, port=ns.port, uds=ns.uds, root_path=ns.root_path or "",
+    return uvicorn.Config(app, host=ns.host, port=ns.port, uds=ns.uds,
                           log_level=ns.uvicorn_log_level, access_log=not ns.disable_uvicorn_access_log,
                           log_config=ns.log_config_file or uvicorn.config.LOGGING_CONFIG, timeout_keep_alive=5,
                           timeout_graceful_shutdown=ns.shutdown_timeout + SHUTDOWN_GRACE_S,
@@ -351,7 +384,7 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None, sock) -> None
             "allowed_headers": _flat(ns.allowed_headers), "allow_credentials": ns.allow_credentials}
     frontend = FrontendOptions(docs=not ns.disable_fastapi_docs, request_id_headers=ns.enable_request_id_headers,
                                middleware=[load_middleware(name) for name in ns.middleware],
-                               load_tracking=ns.enable_server_load_tracking)
+                               load_tracking=ns.enable_server_load_tracking, root_path=ns.root_path or "")
     app = build_app(async_llm, ServingModels(names, config.model_path, config.max_model_len), options,
                     metrics=metrics, api_keys=[ns.api_key] if ns.api_key else [], cors=cors,
                     reasoning_parser_cls=reasoning_cls, tool_parser_cls=tool_cls, log_stats_interval=interval,
@@ -359,8 +392,10 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None, sock) -> None
     scheme = "https" if ns.ssl_certfile else "http"
     where = f"unix socket {ns.uds}" if ns.uds else f"{scheme}://{ns.host}:{ns.port}{ns.root_path or ''}"
     logger.info("Serving %s on %s (OpenAI API under /v1)", names[0], where)
+    on_stopped = (lambda: _remove_socket_file(ns.uds)) if ns.uds else None
     try:
-        _run_server(uvicorn_config(ns, app), sock, lambda: _drain_or_abort(async_llm, ns.shutdown_timeout))
+        _run_server(uvicorn_config(ns, app), sock, lambda: _drain_or_abort(async_llm, ns.shutdown_timeout),
+                    on_stopped)
     finally:
         async_llm.shutdown()
         sock.close()
@@ -370,9 +405,10 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None, sock) -> None
 SHUTDOWN_GRACE_S = 5.0
 
 
-def _run_server(config, sock, on_exit) -> None:
+def _run_server(config, sock, on_exit, on_stopped=None) -> None:
     """uvicorn's server on `sock`, which calls `on_exit` on the first exit signal, before it stops taking
-    connections."""
+    connections, and `on_stopped` once it has closed them (before uvicorn raises a SIGTERM again, whose default
+    action ends the process: code after this call does not run then)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -380,6 +416,13 @@ def _run_server(config, sock, on_exit) -> None:
             if not self.should_exit:
                 on_exit()
             super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if on_stopped is not None:
+                    on_stopped()
 
     try:
         Server(config).run(sockets=[sock])

@@ -3,8 +3,11 @@
 bound before the model loads (a taken port fails at once); --version and unknown flags."""
 
 import argparse
+import os
+import logging
 import re
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -16,7 +19,9 @@ import httpx
 import pytest
 
 from ascendserve.cli.main import main
+from ascendserve import SamplingParams
 from ascendserve.cli.serve import bind_socket
+from ascendserve.entrypoints.openai.serving_engine import log_request
 from tests.server.utils import API_KEY, MODEL, RemoteServer, free_port
 
 MIDDLEWARE = "tests.server.frontend_middleware"
@@ -89,12 +94,17 @@ def test_request_ids_come_from_the_header(https):
 
 
 def test_middleware_docs_and_root_path(https):
-    for path in ("/health", "/v1/models"):  # --root-path: the app knows the prefix its proxy strips
+    # --root-path (FastAPI's root_path, as vLLM sets it): the routes answer with the prefix (a proxy that passes it
+    # on) and without it (a proxy that strips it); uvicorn's root_path used to put it in front of every path, so
+    # /api/v1/models was a 404
+    for path in ("/health", "/v1/models", "/api/health", "/api/v1/models"):
         r = https.get(path)
         assert r.status_code == 200 and r.headers["x-tag-class"] == "1" and r.headers["x-tag-function"] == "1", path
         assert r.headers["x-root-path"] == "/api"
-    # the API key still guards /v1 under --root-path (the path the app sees starts with /api)
-    assert https.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert https.get("/apix/v1/models").status_code == 404  # a prefix of a path segment is no root path
+    # the API key still guards /v1 under --root-path, with the prefix and without it
+    for path in ("/v1/models", "/api/v1/models"):
+        assert https.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert https.get(path).status_code == 404, path
 
@@ -114,11 +124,22 @@ def test_server_load_counts_requests_in_flight(https):
     assert https.get("/load").json() == {"server_load": 0}
 
 
-def test_requests_are_logged_within_max_log_len(server, https):
+def test_requests_are_logged_with_their_whole_parameters(server, https):
+    """vLLM's RequestLogger: --max-log-len cuts the prompt (logged at debug level), never the parameters; they used
+    to be cut to 40 characters here, which left "SamplingParams(n=1, " of every request."""
     https.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2,
                                         "stop": ["a" * 100]}, headers={"X-Request-Id": "logged-1"})
     lines = [line for line in server.read_log().splitlines() if "Received request cmpl-logged-1-0" in line]
-    assert len(lines) == 1 and len(lines[0].split("params: ", 1)[1]) <= 40, lines
+    assert len(lines) == 1 and "a" * 100 in lines[0] and "max_tokens=2" in lines[0], lines
+
+
+def test_the_logged_prompt_is_cut_to_max_log_len(caplog):
+    prompt = {"prompt": "x" * 100, "prompt_token_ids": list(range(100))}
+    with caplog.at_level(logging.DEBUG, logger="ascendserve"):
+        log_request("r-1", prompt, SamplingParams(max_tokens=3, stop=["y" * 50]), max_log_len=10)
+    info, debug = [r.getMessage() for r in caplog.records if "r-1" in r.getMessage()]
+    assert "100 prompt tokens" in info and "y" * 50 in info
+    assert debug == f"Request r-1 prompt: {'x' * 10!r}, prompt_token_ids: {list(range(10))}"
 
 
 def test_a_taken_port_fails_before_the_model_loads():
@@ -136,16 +157,25 @@ def test_a_taken_port_fails_before_the_model_loads():
 
 def test_unix_socket(tmp_path):
     path = str(tmp_path / "ascendserve.sock")
+    uds = argparse.Namespace(uds=path, host="127.0.0.1", port=0)
     (tmp_path / "ascendserve.sock").write_text("")  # not a socket: left alone, bind fails
     with pytest.raises(OSError):
-        bind_socket(argparse.Namespace(uds=path, host="127.0.0.1", port=0))
+        bind_socket(uds)
     (tmp_path / "ascendserve.sock").unlink()
-    sock = bind_socket(argparse.Namespace(uds=path, host="127.0.0.1", port=0))
+    sock = bind_socket(uds)
     try:
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(path)
+        # a second server on the socket of a live one fails as a taken port does; it used to remove the socket
+        # file, and the first server could no longer be reached
+        with pytest.raises(OSError, match="Address already in use"):
+            bind_socket(uds)
         with socket.socket(socket.AF_UNIX) as client:
             client.connect(path)
     finally:
         sock.close()
+    sock = bind_socket(uds)  # the file a stopped server left: nothing listens, so it is replaced
+    sock.close()
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -168,3 +198,32 @@ def test_version_and_unknown_flags(capsys):
         main(["serve", "--no-such-flag"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "ascendserve serve: error: unrecognized arguments: --no-such-flag" in err
+
+
+def test_a_server_on_a_unix_socket_answers_there_and_removes_it_at_exit(tmp_path):
+    path = str(tmp_path / "serve.sock")
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "ascendserve.cli.main", "serve", "--uds", path,
+                             "--max-model-len", "256", "--kv-cache-memory-bytes", str(32 * 2**20),
+                             "--served-model-name", MODEL, "--disable-log-stats"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://localhost", timeout=120) as client:
+            deadline = time.monotonic() + 300
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.5)
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        proc.terminate()  # uvicorn raises SIGTERM again once it has stopped: its default action ends the process
+        assert proc.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.seek(0)
+        output = log.read()
+        log.close()
+    assert not os.path.exists(path), output[-2000:]

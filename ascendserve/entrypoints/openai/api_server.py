@@ -32,12 +32,15 @@ DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 @dataclass
 class FrontendOptions:
     """vLLM's HTTP-layer flags: --disable-fastapi-docs, --enable-request-id-headers, --middleware,
-    --enable-server-load-tracking."""
+    --enable-server-load-tracking, --root-path."""
 
     docs: bool = True  # /docs, /redoc, /openapi.json
     request_id_headers: bool = False  # X-Request-Id on every response
     middleware: list = field(default_factory=list)  # ASGI middleware classes or async functions(request, call_next)
     load_tracking: bool = False  # count the generation requests in flight (GET /load)
+    # The prefix a path-routing proxy puts in front of our paths (FastAPI's root_path, as vLLM sets it): the routes
+    # answer with it and without it (a proxy that strips it), and /docs points at <root_path>/openapi.json
+    root_path: str = ""
 
 
 # The routes --enable-server-load-tracking counts while they run (a stream until its last byte).
@@ -51,7 +54,7 @@ def build_app(engine, models: ServingModels, options: ServerOptions, *, metrics=
     frontend = frontend or FrontendOptions()
     docs = {} if frontend.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="ascendserve OpenAI-compatible server", version=__version__,
-                  lifespan=_lifespan(metrics, log_stats_interval), **docs)
+                  lifespan=_lifespan(metrics, log_stats_interval), root_path=frontend.root_path, **docs)
     app.state.server_load = 0
     chat = OpenAIServingChat(engine, models, options, reasoning_parser_cls, tool_parser_cls)
     completion = OpenAIServingCompletion(engine, models, options)
@@ -169,10 +172,12 @@ class _LoadTracker:
 
 
 def _route_path(scope) -> str:
-    """The request's path without --root-path, which uvicorn puts in front of it ("/api/v1/models" -> "/v1/models");
-    the API key check and the load tracking read this one, as the router does."""
+    """The request's path without --root-path, as the router matches it ("/api/v1/models" -> "/v1/models"; a path
+    without the prefix as it is); the API key check and the load tracking read this one."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("/", ""):
+        return path[len(root):]
+    return path
 
 
 def _install_api_key_check(app: FastAPI, keys: list[str]) -> None:

@@ -51,7 +51,7 @@ class ServerOptions:
     max_waiting_requests: int | None = None
     max_logprobs: int = 20  # -1: no cap
     log_requests: bool = False  # --enable-log-requests
-    max_log_len: int | None = None  # characters of a logged prompt / parameters; None: all
+    max_log_len: int | None = None  # characters (token ids) of a logged prompt; None: all
     chat_template: str | None = None
     trust_request_chat_template: bool = False
     reasoning_parser: str | None = None
@@ -189,10 +189,7 @@ class OpenAIServing:
         naming the field at fault (a grammar that does not compile: `constraint_field`, the request field it came
         from)."""
         if self.options.log_requests:
-            clip = slice(self.options.max_log_len)
-            logger.info("Received request %s: %d prompt tokens, params: %s", request_id,
-                        len(prompt.get("prompt_token_ids", ())), repr(params)[clip])
-            logger.debug("Request %s prompt: %r", request_id, (prompt.get("prompt") or "")[clip])
+            log_request(request_id, prompt, params, self.options.max_log_len)
         if beam is not None:  # the search's steps are added as it runs
             return BeamSearchStream(self.engine, request_id, prompt["prompt_token_ids"], beam,
                                     params.logprobs is not None, params.prompt_logprobs)
@@ -275,6 +272,16 @@ async def _last_output(stream):
 _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens",
                 "min_tokens", "logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words",
                 "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt"}
+
+
+def log_request(request_id: str, prompt: dict, params, max_log_len: int | None) -> None:
+    """--enable-log-requests, as vLLM's RequestLogger: the sampling parameters whole at INFO; the prompt's text and
+    token ids at DEBUG, each cut to --max-log-len (characters, token ids)."""
+    token_ids = prompt.get("prompt_token_ids") or []
+    logger.info("Received request %s: %d prompt tokens, params: %r", request_id, len(token_ids), params)
+    clip = slice(max_log_len)
+    logger.debug("Request %s prompt: %r, prompt_token_ids: %s", request_id, (prompt.get("prompt") or "")[clip],
+                 list(token_ids[clip]))
 
 
 def _param_in(message: str) -> str | None:
