@@ -150,6 +150,9 @@ def test_beam_search(http):
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     check_error(http.post("/v1/completions", json={"prompt": "x", "use_beam_search": True, "n": 11}), 400,
                 param="n", contains=("2 x 11 = 22 logprobs", "--max-logprobs"))
+    # the beam width is capped as n is (it skipped the cap: the search's steps run with n=1)
+    check_error(http.post("/v1/completions", json={"prompt": "x", "use_beam_search": True, "n": 16385}), 400,
+                param="n", contains=("16385 beams", "at most 16384 are allowed (VLLM_MAX_N_SEQUENCES)"))
     # echo + logprobs and prompt_logprobs carry the prompt's logprobs with beam search too (they were all null)
     echoed = _complete(http, prompt=prompt, use_beam_search=True, n=2, max_tokens=2, echo=True, logprobs=1,
                        prompt_logprobs=1)["choices"][0]
@@ -158,6 +161,38 @@ def test_beam_search(http):
     assert echoed["logprobs"]["token_logprobs"][:head] == plain["logprobs"]["token_logprobs"][:head]
     assert echoed["logprobs"]["token_logprobs"][0] is None and None not in echoed["logprobs"]["token_logprobs"][1:]
     assert len(echoed["prompt_logprobs"]) == head
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.mark.parametrize("path, body, constraint", [
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
+])
+def test_beam_search_refuses_a_grammar(http, path, body, constraint):
+    """The search's steps cannot follow a grammar: a forced tool call under beam search used to come back as a
+    successful call with arguments off the schema ("1"), a JSON response_format as any text."""
+    base = {"messages": [{"role": "user", "content": "Weather in Paris?"}]} if "chat" in path else {"prompt": "x"}
+    check_error(http.post(path, json={"model": MODEL, **base, **body, "use_beam_search": True, "n": 2,
+                                      "max_tokens": 8}), 400, param="use_beam_search",
+                contains=("beam search does not follow a grammar", f"({constraint})"))
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary_up_to_the_cap(http):
+    """vLLM's -1 for logprobs / top_logprobs (the whole vocabulary) reaches the --max-logprobs check; it used to be
+    refused by the request's schema (">= 0") even on a server without a cap."""
+    for path, body, name in (("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                       "logprobs": True, "top_logprobs": -1}, "top_logprobs")):
+        check_error(http.post(path, json={"model": MODEL, **body}), 400, param=name,
+                    contains=("requested -1 (the whole vocabulary) logprobs per token", "at most 20 (--max-logprobs)"))
+    check_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": -2}), 400,
+                param="logprobs")
 
 
 def test_completions_default_to_16_tokens(http):
@@ -174,6 +209,12 @@ def test_echo_without_generation(http):
     choice = _complete(http, prompt=PROMPT, echo=True, logprobs=0, max_tokens=0)["choices"][0]
     assert choice["text"] == PROMPT and len(choice["logprobs"]["tokens"]) == len(ids)
     assert all(v is not None for v in choice["logprobs"]["token_logprobs"][1:])
+    # the token run and dropped is not counted (usage said 1 completion token)
+    usage = _complete(http, prompt=PROMPT, echo=True, logprobs=0, max_tokens=0)["usage"]
+    assert usage["completion_tokens"] == 0 and usage["total_tokens"] == usage["prompt_tokens"] == len(ids)
+    events = _stream_events(http, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "echo": True, "max_tokens": 0,
+                                                      "stream_options": {"include_usage": True}})
+    assert events[-1]["usage"]["completion_tokens"] == 0
     check_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, param="max_tokens",
                 contains=("max_tokens must be at least 1", "only allowed with echo"))
 

@@ -426,7 +426,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(0, ge=0)  # upper bound: the server's --max-logprobs
+    top_logprobs: int | None = Field(0, ge=-1)  # -1: the whole vocabulary; upper bound: the server's --max-logprobs
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
     parallel_tool_calls: bool | None = True
@@ -489,7 +489,7 @@ class CompletionRequest(_SamplingRequest):
     """The body of POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0)  # upper bound: the server's --max-logprobs
+    logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary; upper bound: the server's --max-logprobs
     suffix: str | None = None
     add_special_tokens: bool = True
     # vLLM extensions
@@ -526,7 +526,8 @@ class CompletionRequest(_SamplingRequest):
 
     @property
     def echo_without_generation(self) -> bool:
-        """OpenAI's `echo` with `max_tokens: 0`: the response is the prompt (one token is generated and dropped)."""
+        """OpenAI's `echo` with `max_tokens: 0`: the response is the prompt (one token is generated, dropped and not
+        counted in usage)."""
         return self.echo and self.max_tokens == 0
 
     def _requested_max_tokens(self) -> int | None:

@@ -111,7 +111,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                    stop_reason=choice.stop_reason,
                                                    prompt_logprobs=clamp_prompt_logprobs(prompt_logprobs[i])))
         return CompletionResponse(id=base_id, model=model, choices=result,
-                                  usage=_usage(prompts, sum(len(c.token_ids) for c in choices)))
+                                  usage=_usage(prompts, choices, only_echo))
 
     async def _stream(self, request, model, base_id, prompts, streams, n):
         created = int(time.time())
@@ -147,11 +147,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                                                 finish_reason=c.finish_reason,
                                                                 stop_reason=c.stop_reason)])
                     if continuous:
-                        chunk.usage = _usage(prompts, sum(len(ch.token_ids) for ch in choices))
+                        chunk.usage = _usage(prompts, choices, only_echo)
                     yield sse(chunk)
             if include_usage:
                 yield sse(CompletionStreamResponse(id=base_id, created=created, model=model, choices=[],
-                                                   usage=_usage(prompts, sum(len(ch.token_ids) for ch in choices))))
+                                                   usage=_usage(prompts, choices, only_echo)))
         except Exception as e:
             yield sse_error(e)
         finally:
@@ -159,8 +159,11 @@ class OpenAIServingCompletion(OpenAIServing):
         yield "data: [DONE]\n\n"
 
 
-def _usage(prompts, num_generated: int) -> UsageInfo:
+def _usage(prompts, choices, only_echo: bool) -> UsageInfo:
+    """The request's usage; echo with max_tokens 0 returns no generated token (the one it ran is dropped) and
+    counts none."""
     num_prompt = sum(len(ids) for _, ids in prompts)
+    num_generated = 0 if only_echo else sum(len(choice.token_ids) for choice in choices)
     return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                      total_tokens=num_prompt + num_generated)
 

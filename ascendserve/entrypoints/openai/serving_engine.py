@@ -13,7 +13,7 @@ from starlette.responses import StreamingResponse
 
 from ascendserve.engine.beam_search import BeamSearch, BeamSearchParams
 from ascendserve.engine.outputs import CompletionOutput, RequestOutput
-from ascendserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from ascendserve.engine.sampling_params import RequestOutputKind, SamplingParams, max_n_sequences
 from ascendserve.engine.structured_output import GRAMMAR_ERROR_PREFIX
 from ascendserve.entrypoints.openai.errors import OpenAIError, error_body
 from ascendserve.entrypoints.openai.protocol import random_uuid
@@ -163,10 +163,12 @@ class OpenAIServing:
         logprobs_field = "top_logprobs" if getattr(request, "top_logprobs", None) else "logprobs"
         # echo's prompt logprobs come from logprobs
         prompt_field = "prompt_logprobs" if request.prompt_logprobs is not None else "logprobs"
+        cap = self.options.max_logprobs  # -1: none
         for value, name in ((params.logprobs, logprobs_field), (params.prompt_logprobs, prompt_field)):
-            if value is not None and -1 < self.options.max_logprobs < value:
-                raise OpenAIError(f"{name}: requested {value} logprobs per token, but this server allows at most "
-                                  f"{self.options.max_logprobs} (--max-logprobs).", 400, param=name)
+            if value is not None and cap != -1 and (value == -1 or value > cap):
+                shown = "-1 (the whole vocabulary)" if value == -1 else value
+                raise OpenAIError(f"{name}: requested {shown} logprobs per token, but this server allows at most "
+                                  f"{cap} (--max-logprobs).", 400, param=name)
         params.output_kind = RequestOutputKind.DELTA
         return params
 
@@ -175,6 +177,15 @@ class OpenAIServing:
         if not request.use_beam_search:
             return None
         width = request.n or 1
+        if params.structured_outputs is not None:  # the search's steps would drop it: output off the schema
+            constraint = getattr(request, "structured_outputs_field", None) or "tool_choice"
+            raise OpenAIError(f"use_beam_search: beam search does not follow a grammar, and this request has one "
+                              f"({constraint}); drop use_beam_search or the constraint.", 400,
+                              param="use_beam_search")
+        max_n = max_n_sequences()
+        if width > max_n:  # every beam is a sequence of each step, as each child of n is
+            raise OpenAIError(f"n: beam search with {width} beams runs {width} sequences at once, but at most "
+                              f"{max_n} are allowed (VLLM_MAX_N_SEQUENCES).", 400, param="n")
         if -1 < self.options.max_logprobs < 2 * width:
             raise OpenAIError(f"n: beam search with {width} beams ranks 2 x {width} = {2 * width} logprobs a step, but "
                               f"this server allows at most {self.options.max_logprobs} (--max-logprobs).", 400,
