@@ -178,6 +178,16 @@ def _result_name(ns, result: dict, sweep: bool) -> str:
     return f"{stem}-c{result['max_concurrency']}{ext or '.json'}"
 
 
+def _check_dataset_path(ns) -> None:
+    """A ShareGPT dataset needs --dataset-path naming a readable file (raises ValueError / OSError)."""
+    if ns.dataset_name.replace("-", "_") not in ("sharegpt", "sharegpt_json"):
+        return
+    if not ns.dataset_path:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path FILE.json (it is never downloaded)")
+    with open(ns.dataset_path, "rb"):
+        pass
+
+
 def _check_server(ns) -> None:
     """vLLM's initial single-prompt test run: fail fast with the server's error."""
     from ascendserve.bench.datasets import SampleRequest
@@ -205,13 +215,15 @@ def run_serve(ns) -> int:
         levels = _concurrency_levels(ns)
         percentiles = [float(p) for p in ns.metric_percentiles.split(",")]
         shown = [m.strip() for m in ns.percentile_metrics.split(",")]
+        _check_dataset_path(ns)  # before the server is asked anything: a wrong path is the user's to fix first
         ns.model = ns.model or first_model(ns.base_url, ns.api_key)
         _check_server(ns)
         codec = make_codec(ns.tokenizer, ns.base_url, ns.model, ns.api_key)
         print(f"Building {ns.num_prompts} {ns.dataset_name} prompts ...", flush=True)
         requests = sample_requests(ns, codec, ns.seed)
     except (ValueError, RuntimeError, OSError, httpx.HTTPError) as e:
-        print(f"ascendserve bench serve: error: {type(e).__name__}: {e} ({ns.base_url})", file=sys.stderr)
+        where = f" ({ns.base_url})" if isinstance(e, (RuntimeError, httpx.HTTPError)) else ""
+        print(f"ascendserve bench serve: error: {type(e).__name__}: {e}{where}", file=sys.stderr)
         return 2
     results = []
     for i, level in enumerate(levels):

@@ -11,6 +11,7 @@ from ascendserve.bench.latency import IterationTiming, latency_summary, run_batc
 from ascendserve.bench.serve import ServeConfig, arrivals, request_body, send_request
 from ascendserve.bench.throughput import workload
 from ascendserve.cli.main import build_parser, main
+from tests.server.utils import free_port
 
 
 def _sse(*payloads) -> bytes:
@@ -254,6 +255,19 @@ def test_cli_errors_are_one_line(argv, message, capsys):
     except SystemExit as e:
         code = e.code
     assert code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "ValueError: --dataset-name sharegpt needs --dataset-path FILE.json (it is never downloaded)"),
+    (["--dataset-path", "/no/such/sharegpt.json"],
+     "FileNotFoundError: [Errno 2] No such file or directory: '/no/such/sharegpt.json'"),
+])
+def test_bench_serve_checks_the_dataset_path_before_the_server(flags, message, capsys):
+    """A missing ShareGPT file is named first (the port below has no server: the test request used to fail first,
+    and the error named the server)."""
+    assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--model", "m",
+                 "--dataset-name", "sharegpt", *flags]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"ascendserve bench serve: error: {message}")
 
 
 def test_bench_latency_refuses_requests_that_do_not_fit(capsys):
