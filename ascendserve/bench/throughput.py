@@ -5,6 +5,7 @@ Lengths are vLLM's (`--input-len`/`--output-len` with `--random-range-ratio`) or
 """
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -74,7 +75,8 @@ def format_throughput(r: ThroughputResult) -> str:
 
 
 def save_json(data: dict, path: str) -> None:
-    """Write a result dictionary as indented JSON."""
+    """Write a result dictionary as indented JSON, making its directory if it is not there."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
 

@@ -11,8 +11,8 @@ import asyncio
 import os
 import sys
 
-from ascendserve.cli.engine_flags import (add_engine_flags, engine_args_from, json_object, positive_float,
-                                          positive_int)
+from ascendserve.cli.engine_flags import (add_engine_flags, engine_args_from, json_object, non_negative_int,
+                                          positive_float, positive_int)
 
 
 def register(sub) -> None:
@@ -44,9 +44,11 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-input-len", type=positive_int, default=1024)
     p.add_argument("--random-output-len", type=positive_int, default=128)
     p.add_argument("--random-range-ratio", type=_range_ratio, default=0.0)
-    p.add_argument("--prefix-len", "--prefix-repetition-prefix-len", dest="prefix_len", type=int, default=256)
-    p.add_argument("--num-prefixes", "--prefix-repetition-num-prefixes", dest="num_prefixes", type=int, default=10)
-    p.add_argument("--sharegpt-output-len", type=int, default=None)
+    p.add_argument("--prefix-len", "--prefix-repetition-prefix-len", dest="prefix_len", type=non_negative_int,
+                   default=256)
+    p.add_argument("--num-prefixes", "--prefix-repetition-num-prefixes", dest="num_prefixes", type=positive_int,
+                   default=10)
+    p.add_argument("--sharegpt-output-len", type=positive_int, default=None)
     p.add_argument("--no-oversample", action="store_true",
                    help="a dataset with fewer usable entries than --num-prompts is an error, not drawn again")
     p.add_argument("--request-rate", type=positive_float, default=float("inf"),
@@ -133,9 +135,9 @@ def _add_offline_common(p: argparse.ArgumentParser) -> None:
 def _add_throughput(p: argparse.ArgumentParser) -> None:
     _add_offline_common(p)
     p.add_argument("--num-prompts", type=positive_int, default=1000)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--min-len", type=int, default=None, help="nano-vllm protocol: lengths uniform in [min, max]")
-    p.add_argument("--max-len", type=int, default=None)
+    p.add_argument("--random-range-ratio", type=_range_ratio, default=0.0)
+    p.add_argument("--min-len", type=positive_int, default=None, help="nano-vllm protocol: lengths uniform in [min, max]")
+    p.add_argument("--max-len", type=positive_int, default=None)
     p.set_defaults(func=run_throughput)
 
 
@@ -143,7 +145,7 @@ def _add_latency(p: argparse.ArgumentParser) -> None:
     _add_offline_common(p)
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--num-iters", type=positive_int, default=30)
-    p.add_argument("--num-iters-warmup", type=int, default=10)
+    p.add_argument("--num-iters-warmup", type=non_negative_int, default=10)
     p.set_defaults(func=run_latency)
 
 
@@ -234,6 +236,7 @@ def run_serve(ns) -> int:
         outputs, duration = asyncio.run(run_requests(cfg, requests))
         metrics = calculate_metrics(outputs, duration, percentiles, dict(ns.goodput) if ns.goodput else None)
         print(format_report(metrics, level, ns.request_rate, percentiles, shown), flush=True)
+        _report_failures(outputs)
         result = result_json(metrics, outputs, model_id=ns.model, endpoint=ns.endpoint, base_url=ns.base_url,
                              num_prompts=len(requests), request_rate=ns.request_rate, max_concurrency=level,
                              burstiness=ns.burstiness, tokenizer_id=ns.tokenizer, dataset=ns.dataset_name)
@@ -247,6 +250,15 @@ def run_serve(ns) -> int:
             print(f"ascendserve bench serve: error: {e}", file=sys.stderr)
             return 2
     return 0 if all(r["completed"] for r in results) else 1
+
+
+def _report_failures(outputs) -> None:
+    """Name the first error when requests failed: an all-zero report alone (every request over the server's
+    max_model_len, say) did not say why."""
+    failed = [o for o in outputs if not o.success]
+    if failed:
+        print(f"ascendserve bench serve: {len(failed)} of {len(outputs)} requests failed; the first error: "
+              f"{failed[0].error}", file=sys.stderr, flush=True)
 
 
 def _plot(ns, results: list[dict]) -> None:

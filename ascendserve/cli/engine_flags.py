@@ -18,6 +18,17 @@ def positive_int(value: str) -> int:
     return number
 
 
+def non_negative_int(value: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer is needed, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {number}")
+    return number
+
+
 def positive_float(value: str) -> float:
     """argparse type: a number > 0 (inf allowed)."""
     try:

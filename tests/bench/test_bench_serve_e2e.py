@@ -49,3 +49,15 @@ def test_bench_serve_end_to_end(server, tmp_path):
     png = os.path.splitext(result_path)[0] + ".png"
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_serve_names_the_error_when_requests_fail(server):
+    """Every request over the server's max_model_len: the report was all zeros and said nothing of why."""
+    cmd = [sys.executable, "-m", "ascendserve.cli.main", "bench", "serve", "--base-url", server.url,
+           "--num-prompts", "3", "--random-input-len", "16", "--random-output-len", "2000", "--disable-tqdm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert any(line.startswith("Failed requests:                         3") for line in proc.stdout.splitlines())
+    [line] = [line for line in proc.stderr.splitlines() if "requests failed" in line]
+    assert line.startswith("ascendserve bench serve: 3 of 3 requests failed; the first error: HTTP 400")
+    assert "max_tokens" in line or "1024" in line, line

@@ -219,6 +219,12 @@ def test_cli_flags_parse():
     (["bench", "serve", "--goodput", "itl:5"], "--goodput: KEY:MS with KEY one of ttft, tpot, e2el"),
     (["bench", "serve", "--goodput", "ttft:fast"], "--goodput: a number of milliseconds after ttft:"),
     (["bench", "serve", "--goodput", "ttft:-1"], "--goodput: an SLO must be >= 0 ms"),
+    (["bench", "serve", "--sharegpt-output-len", "0"], "--sharegpt-output-len: must be at least 1"),
+    (["bench", "serve", "--prefix-len", "-1"], "--prefix-len/--prefix-repetition-prefix-len: must be at least 0"),
+    (["bench", "serve", "--num-prefixes", "0"], "--num-prefixes/--prefix-repetition-num-prefixes: must be at least 1"),
+    (["bench", "latency", "--num-iters-warmup", "-1"], "--num-iters-warmup: must be at least 0"),
+    (["bench", "throughput", "--random-range-ratio", "2"], "--random-range-ratio: must be in [0, 1)"),
+    (["bench", "throughput", "--min-len", "0"], "--min-len: must be at least 1"),
 ])
 def test_bad_cli_values_are_argparse_errors_naming_the_flag(argv, message, capsys):
     """Values that ran as 'unlimited', printed an all-zero report or ended in a traceback (numpy's 'scale < 0')."""
@@ -281,7 +287,7 @@ def test_bench_latency_refuses_requests_that_do_not_fit(capsys):
 def test_bench_throughput_takes_vllms_n_and_flag_names(tmp_path):
     """vLLM's --n (sequences per prompt), --random-input-len / --random-output-len, --dataset-name random,
     --backend vllm and --disable-detokenize (each an unrecognized or ambiguous flag before)."""
-    out = tmp_path / "t.json"
+    out = tmp_path / "results" / "t.json"  # a directory that is not there yet is made (it was a traceback)
     assert main(["bench", "throughput", "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "4",
                  "--n", "2", "--dataset-name", "random", "--backend", "vllm", "--disable-detokenize",
                  "--max-model-len", "256", "--output-json", str(out)]) == 0
