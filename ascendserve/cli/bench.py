@@ -161,6 +161,9 @@ def _serve_config(ns, concurrency: int | None):
 def _concurrency_levels(ns) -> list[int | None]:
     if not ns.sweep_concurrency:
         return [ns.max_concurrency]
+    if ns.max_concurrency is not None:  # it was dropped without a word: the sweep's levels are the concurrency
+        raise ValueError("--max-concurrency and --sweep-concurrency are exclusive: the sweep's levels are the "
+                         "concurrency of each run")
     try:
         levels = [int(v) for v in ns.sweep_concurrency.split(",") if v.strip()]
     except ValueError:

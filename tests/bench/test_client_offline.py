@@ -265,6 +265,9 @@ def test_cli_errors_are_one_line(argv, message, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     ([], "ValueError: --dataset-name sharegpt needs --dataset-path FILE.json (it is never downloaded)"),
+    (["--dataset-path", "x.json", "--max-concurrency", "4", "--sweep-concurrency", "1,2"],
+     "ValueError: --max-concurrency and --sweep-concurrency are exclusive: the sweep's levels are the concurrency "
+     "of each run"),
     (["--dataset-path", "/no/such/sharegpt.json"],
      "FileNotFoundError: [Errno 2] No such file or directory: '/no/such/sharegpt.json'"),
 ])
