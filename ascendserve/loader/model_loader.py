@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from ascendserve.config import EngineArgs, EngineConfig
 from ascendserve.layers.rotary import cover_positions, position_limit
+from ascendserve.loader.resolve import PYTORCH_BIN_PATTERN, SAFETENSORS_PATTERN
 from ascendserve.logger import init_logger
 from ascendserve.platforms import get_platform
 
@@ -257,8 +258,8 @@ def iter_safetensors(path: str):
 
 
 def _weight_files(path: str) -> list[str]:
-    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),
-                                ("pytorch_model.bin.index.json", "*.bin")):
+    for index_name, pattern in (("model.safetensors.index.json", SAFETENSORS_PATTERN),
+                                ("pytorch_model.bin.index.json", PYTORCH_BIN_PATTERN)):
         files = sorted(glob.glob(os.path.join(path, pattern)))
         index = os.path.join(path, index_name)
         if files and os.path.isfile(index):

@@ -21,7 +21,8 @@ logger = init_logger(__name__)
 # What a download fetches: config, tokenizer and chat template, then the weights: safetensors, or PyTorch .bin files
 # where the repo has no safetensors (vLLM's fallback).
 TOKENIZER_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "tokenizer*"]
-HF_ALLOW_PATTERNS = TOKENIZER_PATTERNS + ["*.safetensors"]
+SAFETENSORS_PATTERN, PYTORCH_BIN_PATTERN = "*.safetensors", "*.bin"  # the loader reads the same two kinds
+HF_ALLOW_PATTERNS = TOKENIZER_PATTERNS + [SAFETENSORS_PATTERN]
 # The files that make a directory a tokenizer (--tokenizer ORG/NAME may name a repo without a model).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _REPO_ID_RE = re.compile(r"[A-Za-z0-9_][\w.-]*(/[\w.-]+)?")
@@ -135,7 +136,7 @@ def _find_snapshot(snapshot: Path, searched: list[str], how: str, tokenizer_only
     no hit, so the download fills it in."""
     found, why = _model_in(snapshot, tokenizer_only)
     if found is not None and not tokenizer_only and Path(found).is_dir() and not any(
-            any(snapshot.glob(pattern)) for pattern in ("*.safetensors", "*.bin")):
+            any(snapshot.glob(pattern)) for pattern in (SAFETENSORS_PATTERN, PYTORCH_BIN_PATTERN)):
         found, why = None, "has a config.json but no weight files (an incomplete download)"
     if found is None:
         searched.append(f"{snapshot} (HF cache, {how}: {why})")
@@ -215,7 +216,7 @@ def _weight_patterns(repo_id: str, revision: str | None) -> list[str]:
         return HF_ALLOW_PATTERNS
     if not any(f.endswith(".safetensors") for f in files) and any(f.endswith(".bin") for f in files):
         logger.info("%s has no safetensors weights: downloading its PyTorch .bin weights", repo_id)
-        return TOKENIZER_PATTERNS + ["*.bin"]
+        return TOKENIZER_PATTERNS + [PYTORCH_BIN_PATTERN]
     return HF_ALLOW_PATTERNS
 
 
