@@ -422,3 +422,42 @@ def test_app_structured_outputs_wait_for_the_end_of_thinking(tokenizer):
     think_end = tokenizer.convert_tokens_to_ids("</think>")
     assert [p.structured_outputs_wait_for for p in engine.params] == [think_end, None, think_end]
     assert engine.params[0].structured_outputs.json_object and engine.params[2].structured_outputs.grammar
+
+
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("parser, tool_choice, thinking, script", [
+    ("qwen3_coder", {"type": "function", "function": {"name": "get_weather"}}, True, REASONING_THEN_CALL),
+    ("qwen3_coder", "required", True, REASONING_THEN_CALL),
+    ("qwen3_coder", "required", False, CALL.removeprefix("<tool_call>\n<function=get_weather>\n")),
+    ("hermes", "required", True, "The user wants weather.\n</think>\n\n" + HERMES_CALL),
+    ("hermes", {"type": "function", "function": {"name": "get_weather"}}, False,
+     HERMES_CALL.removeprefix('<tool_call>\n{"name": "get_weather", "arguments": ')),
+])
+def test_app_forced_call_grammars_take_qwen35s_call_tags_as_their_tokens(tokenizer, parser, tool_choice, thinking,
+                                                                          script):
+    """Qwen3.5 writes <tool_call> and </tool_call> as one token each (248058, 248059). The forced call's grammar had
+    them as text: llguidance's mask let the token through, then refused it, and the rest of the output ran
+    unconstrained to max_tokens. The grammar the server builds now takes the model's own tokens to the call's end."""
+    from ascendserve.engine.structured_output import GrammarCompiler
+
+    engine = ScriptedEngine(tokenizer, script="x")
+    opts = ServerOptions(reasoning_parser="qwen3", tool_call_parser=parser, enable_auto_tool_choice=True,
+                         log_requests=False)
+    app = build_app(engine, ServingModels(["qwen3.5"], "/models/qwen3.5", 4096), opts,
+                    reasoning_parser_cls=get_reasoning_parser("qwen3"), tool_parser_cls=get_tool_parser(parser))
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": tool_choice,
+            "chat_template_kwargs": {"enable_thinking": thinking}, "max_tokens": 1}
+    assert TestClient(app).post("/v1/chat/completions", json=body).status_code == 200
+    params = engine.params[0]
+    state, = GrammarCompiler(tokenizer, 248320, [248046, 248044]).compile(params.structured_outputs, 1,
+                                                                         params.structured_outputs_wait_for)
+    ids = tokenizer.encode(script, add_special_tokens=False)
+    assert {248058, 248059} & set(ids) or not thinking  # the tags are in the output as their tokens
+    for token in ids:
+        state.accept(token)
+        assert not state.failed, (tokenizer.decode([token]), state.matcher.get_error())
+    if not state.ended:  # "required": further calls may follow until the turn ends
+        state.accept(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    assert state.ended and not state.failed

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 from ascendserve.entrypoints.openai.errors import OpenAIError
 from ascendserve.parsers.tool.qwen3_coder import BAD_NAME_RE as CODER_BAD_NAME_RE
@@ -19,10 +20,20 @@ TOOL_CALL_OPENINGS = {
     "hermes": ('<tool_call>\n{{"name": "{name}", "arguments": ', '<tool_call>\n{"name": "'),
 }
 TOOL_CALL_OPENINGS["qwen3_xml"] = TOOL_CALL_OPENINGS["qwen3_coder"]  # the same format, vLLM's other parser of it
+# The call tags a tokenizer may hold as one added token each (Qwen3.5: 248058, 248059). llguidance treats every added
+# token as special: the literal text never matches it (its mask let the token through, then refused it), so a forced
+# call's grammar names such a tag by its id (single_token_tags).
+CALL_TAGS = ("<tool_call>", "</tool_call>")
+
+
+def single_token_tags(tokenizer) -> dict[str, int]:
+    """{tag: token id} for the CALL_TAGS that `tokenizer` holds as one added token."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    return {tag: added[tag] for tag in CALL_TAGS if tag in added}
 
 
 def forced_call_grammar(parser: str, tools: list[dict], name: str | None, repeat: bool = False,
-                        lead: str | None = None) -> str:
+                        lead: str | None = None, tag_tokens: dict[str, int] | None = None) -> str:
     """The Lark grammar (llguidance's dialect) of what a forced call's opening (TOOL_CALL_OPENINGS) leaves to the model
     (with `lead`, the opening itself comes first, after optional blank space: the grammar of the whole call, for a
     model that thinks before it; else the prompt holds the opening):
@@ -31,7 +42,11 @@ def forced_call_grammar(parser: str, tools: list[dict], name: str | None, repeat
     of the tools may follow, until the model ends its turn. `tools` are the request's function definitions ({"name",
     "parameters"}). hermes: the arguments as a JSON object of the function's parameter schema; qwen3_coder:
     `<parameter=NAME>` blocks of the schema's properties, strings as raw text (anything up to the block's end) or one
-    of their enum, other types as JSON of their schema (_coder_value)."""
+    of their enum, other types as JSON of their schema (_coder_value). `tag_tokens` (single_token_tags): the call tags
+    the tokenizer holds as one token, which the grammar takes as that token."""
+    def framing(text: str) -> str:  # the call's fixed text, its tags as their tokens
+        return _lark_with_tokens(text, tag_tokens or {})
+
     schemas = {tool["name"]: {"type": "object", **(tool.get("parameters") or {})} for tool in tools}
     hermes = parser == "hermes"
     if not hermes:
@@ -41,7 +56,7 @@ def forced_call_grammar(parser: str, tools: list[dict], name: str | None, repeat
 
     def arguments(i: int, tool: str) -> str:
         if hermes:  # the arguments: a JSON object of the schema (an object even where it names no type)
-            return f"%json {json.dumps(schemas[tool])} {_lark('}' + chr(10) + '</tool_call>')}"
+            return f"%json {json.dumps(schemas[tool])} {framing('}' + chr(10) + '</tool_call>')}"
         return f"{_coder_params(schemas[tool], f'p{i}', rules)} {_lark('</function>')}"
 
     after_name = '", "arguments": ' if hermes else ">\n"
@@ -52,14 +67,14 @@ def forced_call_grammar(parser: str, tools: list[dict], name: str | None, repeat
         rules.append(f"named_call: {arguments(len(schemas), name)}")
     first = "any_call" if name is None else "named_call"
     if lead is not None:
-        rules += ["LEAD_SPACE: /[ \\n]+/", f"opened_call: LEAD_SPACE? {_lark(lead)} {first}"]
+        rules += ["LEAD_SPACE: /[ \\n]+/", f"opened_call: LEAD_SPACE? {framing(lead)} {first}"]
         first = "opened_call"
     if not repeat:
         rules.append(f"start: {first}")
     elif hermes:  # each call closes itself; the next opens after a newline, or the turn ends
-        rules.append(f"start: {first} ({_lark(HERMES_NEXT_CALL)} any_call)*")
+        rules.append(f"start: {first} ({framing(HERMES_NEXT_CALL)} any_call)*")
     else:  # a call's </tool_call> comes after its </function>; the turn ends after the last one
-        rules.append(f"start: {first} ({_lark(CODER_NEXT_CALL)} any_call)* {_lark(CODER_LAST_CALL_END)}")
+        rules.append(f"start: {first} ({framing(CODER_NEXT_CALL)} any_call)* {framing(CODER_LAST_CALL_END)}")
     if not hermes:  # a raw-text value: the shortest text that ends its block, with none of the tags the
         # parser splits at inside it (its regexes would cut the call there)
         rules += ["coder_text[lazy]: CODER_TEXT",
@@ -136,6 +151,14 @@ _JSON_SCHEMA_TYPES = {"string", "integer", "number", "boolean", "object", "array
 def _lark(text: str) -> str:
     """A Lark string literal of `text`."""
     return json.dumps(text, ensure_ascii=False)
+
+
+def _lark_with_tokens(text: str, tokens: dict[str, int]) -> str:
+    """Lark for `text` with each of `tokens`' strings in it as that token (llguidance's `<[id]>`), the rest literals."""
+    if not tokens:
+        return _lark(text)
+    parts = [part for part in re.split("(" + "|".join(map(re.escape, tokens)) + ")", text) if part]
+    return " ".join(f"<[{tokens[part]}]>" if part in tokens else _lark(part) for part in parts) or _lark("")
 
 
 def load_chat_template(value: str | None) -> str | None:

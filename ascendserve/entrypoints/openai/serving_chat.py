@@ -7,7 +7,7 @@ from fastapi import Request
 from ascendserve.engine.outputs import Logprob
 from ascendserve.engine.structured_output import StructuredOutputsParams
 from ascendserve.entrypoints.openai.chat_utils import (TOOL_CALL_OPENINGS, call_name_text, forced_call_grammar,
-                                                       normalize_messages, render_chat)
+                                                       normalize_messages, render_chat, single_token_tags)
 from ascendserve.entrypoints.openai.errors import OpenAIError
 from ascendserve.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                      ChatCompletionLogProbsContent, ChatCompletionRequest,
@@ -131,6 +131,7 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, models, options)
         self.reasoning_parser_cls = reasoning_parser_cls
         self.tool_parser_cls = tool_parser_cls
+        self.call_tag_tokens = single_token_tags(self.tokenizer) if self.tokenizer is not None else {}
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request | None = None):
         """A ChatCompletionResponse, or an SSEResponse when `stream` is set."""
@@ -211,7 +212,8 @@ class OpenAIServingChat(OpenAIServing):
         # "required": one call or more (vLLM's), unless parallel calls are off; a named function: that one call
         repeat = isinstance(choice, str) and request.parallel_tool_calls is not False
         try:
-            grammar = forced_call_grammar(self.options.tool_call_parser, definitions, name, repeat, lead)
+            grammar = forced_call_grammar(self.options.tool_call_parser, definitions, name, repeat, lead,
+                                          self.call_tag_tokens)
         except ValueError as e:
             raise OpenAIError(str(e), 400, param="tools") from None
         return StructuredOutputsParams(grammar=grammar)
