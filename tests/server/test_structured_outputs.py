@@ -168,5 +168,30 @@ def test_hermes_forced_calls_always_parse_and_follow_the_schema(hermes_server):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_streamed_tool_calls_work_with_the_openai_stream_helper(hermes_server):
+    """The openai client's stream helper accumulates the deltas: a continuation that carried `"type": null` (and
+    `"id": null`) overwrote the call's type, and the helper failed an assertion. Deltas leave out what they do not
+    carry, as OpenAI's and vLLM's do."""
+    client = hermes_server.client()
+    stream = getattr(client.chat.completions, "stream", None) or client.beta.chat.completions.stream
+    named = {"type": "function", "function": {"name": "get_time"}}
+    with stream(model=MODEL, messages=[{"role": "user", "content": "Time?"}], tools=TOOLS, tool_choice=named,
+                max_tokens=80, temperature=0) as events:
+        for _ in events:
+            pass
+        final = events.get_final_completion()
+    call = final.choices[0].message.tool_calls[0]
+    assert (call.type, call.function.name) == ("function", "get_time") and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    with hermes_server.http() as http:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Time?"}], "tools": TOOLS,
+                "tool_choice": named, "max_tokens": 80, "temperature": 0, "stream": True}
+        deltas = [e["choices"][0]["delta"] for e in sse_events(http.post("/v1/chat/completions", json=body))
+                  if e["choices"]]
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert calls[0]["type"] == "function" and all(set(tc) == {"index", "function"} for tc in calls[1:]), calls
+    assert all(None not in d.values() for d in deltas), deltas
+
+
 def test_hermes_server_logged_no_internal_error(hermes_server):
     assert "Unexpected error" not in hermes_server.read_log()

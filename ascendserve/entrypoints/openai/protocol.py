@@ -4,7 +4,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer,
+                      model_validator)
 
 from ascendserve.engine.structured_output import StructuredOutputsParams
 from ascendserve.logger import init_logger
@@ -154,14 +155,23 @@ class ToolCall(OpenAIBaseModel):
     function: FunctionCall
 
 
-class DeltaFunctionCall(OpenAIBaseModel):
+class _StreamDelta(OpenAIBaseModel):
+    """A stream delta as OpenAI and vLLM send it: what it does not carry is left out, not null. (Explicit nulls broke
+    the openai client's stream helper: a continuation's `"type": null` overwrote the call's "function".)"""
+
+    @model_serializer(mode="wrap")
+    def _leave_out_empty(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None and value != []}
+
+
+class DeltaFunctionCall(_StreamDelta):
     """A piece of a function call in a stream: the name once, then argument fragments."""
 
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(OpenAIBaseModel):
+class DeltaToolCall(_StreamDelta):
     """A piece of a tool call in a stream; `index` says which call it belongs to."""
 
     id: str | None = None
@@ -201,8 +211,8 @@ class ChatMessage(_ReasoningMirror):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class DeltaMessage(_ReasoningMirror):
-    """The new part of the assistant message in one stream chunk."""
+class DeltaMessage(_ReasoningMirror, _StreamDelta):
+    """The new part of the assistant message in one stream chunk (None and no tool calls: left out)."""
 
     role: str | None = None
     content: str | None = None
