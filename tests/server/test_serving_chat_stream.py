@@ -293,8 +293,8 @@ def test_app_forced_tool_choice_thinks_first(tokenizer, tool_choice):
     engine.script = "Still thinking when max_tokens ran out"  # no call, cut short: returned as it is
     r = client.post("/v1/chat/completions", json={**body, "max_tokens": 1})  # the scripted engine's "length"
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-    engine.script = REASONING_THEN_ANSWER  # ended without a call: an error, never text
-    assert client.post("/v1/chat/completions", json=body).status_code == 500
+    engine.script = REASONING_THEN_ANSWER  # ended without a call: an error (a 400, as vLLM's), never text
+    assert client.post("/v1/chat/completions", json=body).status_code == 400
 
 
 def test_app_auto_tool_choice_needs_the_flag(tokenizer):
@@ -461,3 +461,16 @@ def test_app_forced_call_grammars_take_qwen35s_call_tags_as_their_tokens(tokeniz
     if not state.ended:  # "required": further calls may follow until the turn ends
         state.accept(tokenizer.convert_tokens_to_ids("<|im_end|>"))
     assert state.ended and not state.failed
+
+
+def test_app_a_forced_call_the_model_never_made_is_a_400(tokenizer):
+    """The model ended its turn inside its thinking, before the call's grammar began: a 400 naming tool_choice, as
+    vLLM's (a 500 had the openai client send the request twice more, generating each time)."""
+    client = make_client(ScriptedEngine(tokenizer, script="I could call a tool, but I will not."))
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": "required"}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    assert "ended its turn without a call" in r.json()["error"]["message"]
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as stream:
+        events = [line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 400, events

@@ -299,11 +299,14 @@ class OpenAIServingChat(OpenAIServing):
                            finish_reason: str | None) -> None:
         """`required` / named tool_choice: a reply without a call to a given tool is an error, never text. The grammar
         makes every finished call parse; one cut short by max_tokens is returned as it is, with finish_reason
-        "length" (as vLLM)."""
+        "length" (as vLLM). A 400, as vLLM's: a 5xx has clients retry it (the openai client twice), generating it again.
+        Where the grammar holds the call the model can only end its turn before it: in its thinking."""
         known = {tool.function.name for tool in request.tools or []}
         if parser.forced and finish_reason != "length" and (not names or not set(names) <= known):
-            raise OpenAIError(f"tool_choice {request._tool_choice_text()} requires a tool call, but the model's "
-                              f"output could not be parsed as a call to one of the given tools.", 500)
+            raise OpenAIError(f"tool_choice {request._tool_choice_text()} requires a tool call, but the model ended "
+                              f"its turn without a call to one of the given tools (a thinking model can end it before "
+                              f"its thinking does; chat_template_kwargs {{\"enable_thinking\": false}} makes it call "
+                              f"at once).", 400, param="tool_choice")
 
     def _logprobs(self, request, token_ids, logprobs) -> ChatCompletionLogProbs | None:
         if not request.logprobs:
