@@ -11,8 +11,8 @@ import asyncio
 import os
 import sys
 
-from ascendserve.cli.engine_flags import (add_engine_flags, engine_args_from, json_object, non_negative_int,
-                                          positive_float, positive_int)
+from ascendserve.cli.engine_flags import (STARTUP_ERRORS, add_engine_flags, engine_args_from, json_object,
+                                          non_negative_int, positive_float, positive_int)
 
 
 def register(sub) -> None:
@@ -308,7 +308,7 @@ def run_throughput(ns) -> int:
                                      ns.random_range_ratio, ns.min_len, ns.max_len, ns.seed)
         _check_fit(llm, max(len(p) + length for p, length in zip(prompts, out_lens)))
         result = run(llm, prompts, out_lens, ns.n, not ns.disable_detokenize)
-    except (ValueError, OSError) as e:
+    except STARTUP_ERRORS as e:
         print(f"ascendserve bench throughput: error: {e}", file=sys.stderr)
         return 2
     print(format_throughput(result))
@@ -326,7 +326,7 @@ def run_latency(ns) -> int:
         _check_fit(llm, ns.input_len + ns.output_len)
         timings = run(llm.llm_engine, ns.batch_size, ns.input_len, ns.output_len, ns.num_iters,
                       ns.num_iters_warmup, ns.seed, ns.n, not ns.disable_detokenize)
-    except (ValueError, OSError) as e:
+    except STARTUP_ERRORS as e:
         print(f"ascendserve bench latency: error: {e}", file=sys.stderr)
         return 2
     summary = latency_summary(timings)

@@ -7,6 +7,12 @@ from ascendserve.config import (ACTIVATION_QUANTIZATION_METHODS, ARRIVAL_WINDOW_
                                 MAMBA_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs)
 
 
+# What building an engine raises for a wrong model, flag or file (not found, bad config, truncated weights, a KV cache
+# that does not fit, a failed download): the commands print it as one error line, exit 2; anything else is a bug and
+# keeps its traceback.
+STARTUP_ERRORS = (ValueError, OSError)
+
+
 def positive_int(value: str) -> int:
     """argparse type: an integer >= 1."""
     try:

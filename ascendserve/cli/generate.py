@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from ascendserve.cli.engine_flags import add_engine_flags, engine_args_from, positive_int
+from ascendserve.cli.engine_flags import STARTUP_ERRORS, add_engine_flags, engine_args_from, positive_int
 
 
 def register(sub) -> None:
@@ -37,7 +37,7 @@ def run(ns: argparse.Namespace) -> int:
             outputs = llm.generate(ns.prompts, params, use_tqdm=False)
         else:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompts], params, use_tqdm=False)
-    except (ValueError, OSError) as e:
+    except STARTUP_ERRORS as e:
         print(f"ascendserve generate: error: {e}", file=sys.stderr)
         return 2
     for prompt, output in zip(ns.prompts, outputs):

@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 
-from ascendserve.cli.engine_flags import add_engine_flags, engine_args_from
+from ascendserve.cli.engine_flags import STARTUP_ERRORS, add_engine_flags, engine_args_from
 from ascendserve.config import QUANTIZATION_METHODS
 from ascendserve.logger import init_logger
 
@@ -260,8 +260,16 @@ def run(ns: argparse.Namespace) -> int:
         where = ns.uds or f"{ns.host}:{ns.port}"
         print(f"ascendserve serve: error: cannot listen on {where}: {e.strerror or e}", file=sys.stderr)
         return 1
-    serve(ns, args, chat_template, sock)
+    try:
+        serve(ns, args, chat_template, sock)
+    except StartupError as e:  # a wrong model, file or size found while loading: one line, as for a bad flag
+        print(f"ascendserve serve: error: {e}", file=sys.stderr)
+        return 2
     return 0
+
+
+class StartupError(Exception):
+    """The engine could not be built from the command line's model and flags (the message says why)."""
 
 
 def bind_socket(ns: argparse.Namespace):
@@ -362,7 +370,11 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None, sock) -> None
     from ascendserve.entrypoints.openai.serving_models import ServingModels
     from ascendserve.metrics import EngineMetrics
 
-    engine = LLMEngine.from_engine_args(args)
+    try:
+        engine = LLMEngine.from_engine_args(args)
+    except STARTUP_ERRORS as e:
+        sock.close()
+        raise StartupError(str(e)) from e
     config = engine.config
     names = ns.served_model_name or [config.served_model_name]
     metrics = EngineMetrics(names[0], config.max_model_len, device_type=config.device.type)

