@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import pickle
 
 import torch
 from safetensors import safe_open
@@ -11,6 +12,7 @@ from ascendserve.config import EngineArgs, EngineConfig
 from ascendserve.layers.rotary import cover_positions, position_limit
 from ascendserve.loader.resolve import PYTORCH_BIN_PATTERN, SAFETENSORS_PATTERN
 from ascendserve.logger import init_logger
+from ascendserve.models.weights import WeightLoadError
 from ascendserve.platforms import get_platform
 
 logger = init_logger(__name__)
@@ -248,13 +250,20 @@ def iter_safetensors(path: str):
     """(name, tensor) for every tensor of the checkpoint in the directory `path`: the safetensors files its
     model.safetensors.index.json names (another file beside them, a stale consolidated one say, is not read; a missing
     one is an error naming it), else every *.safetensors file; without any, pytorch *.bin files (vLLM's fallback)."""
+    from safetensors import SafetensorError
+
     for file in _weight_files(path):
-        if file.endswith(".bin"):
-            yield from torch.load(file, map_location="cpu", weights_only=True).items()
-            continue
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            if file.endswith(".bin"):
+                tensors = torch.load(file, map_location="cpu", weights_only=True)
+                yield from tensors.items()
+                continue
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+            raise WeightLoadError(f"cannot read the weight file {file} ({e}): it is truncated or corrupt, an "
+                                  f"interrupted download or copy most often; fetch it again") from None
 
 
 def _weight_files(path: str) -> list[str]:

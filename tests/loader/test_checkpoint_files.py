@@ -70,6 +70,22 @@ def test_pytorch_bin_weights_load(tmp_path):
     assert generate(tmp_path) == expected
 
 
+@pytest.mark.parametrize("kept", [0.5, 0.001])
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_a_truncated_weight_file_is_named(tmp_path, kind, kept):
+    """An interrupted download or copy leaves a weight file cut short: the error names the file and what to do (it was
+    safetensors' bare 'Error while deserializing header' or torch's zip error, with no file name)."""
+    save_llama(tmp_path)
+    if kind == "bin":
+        torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / "pytorch_model.bin")
+        os.remove(tmp_path / "model.safetensors")
+    file = tmp_path / ("model.safetensors" if kind == "safetensors" else "pytorch_model.bin")
+    data = file.read_bytes()
+    file.write_bytes(data[:max(8, int(len(data) * kept))])
+    with pytest.raises(WeightLoadError, match=rf"cannot read the weight file {file} .*truncated or corrupt"):
+        generate(tmp_path)
+
+
 def test_quantized_checkpoints_are_refused_clearly(tmp_path):
     save_llama(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
