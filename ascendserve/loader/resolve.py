@@ -38,19 +38,24 @@ def resolve_model_path(model: str, revision: str | None = None, download: bool =
     """Return a local model directory or .gguf file for `model` (a path or a hub repo id); with `tokenizer_only`, a
     directory holding a tokenizer (no config.json or weights needed) or a .gguf file, fetching only tokenizer files."""
     searched: list[str] = []
-    found = _find_local(Path(model).expanduser(), searched, tokenizer_only)
+    local = Path(model).expanduser()
+    found = _find_local(local, searched, tokenizer_only)
     if found is not None:
         return found
+    if local.exists():  # a directory or file here is what was meant (vLLM reads it as local too), never a repo id
+        raise ModelNotFoundError(_not_found_message(
+            model, revision, searched, "the path exists on this machine, so it is not looked up as a repo id",
+            tokenizer_only))
     if not _REPO_ID_RE.fullmatch(model):
         raise ModelNotFoundError(_not_found_message(
-            model, revision, searched, "it is neither a local model nor a repo id like 'org/name'"))
+            model, revision, searched, "it is neither a local model nor a repo id like 'org/name'", tokenizer_only))
     found = _find_in_hf_cache(model, revision, searched, tokenizer_only)
     if found is None and use_modelscope():
         found = _find_in_modelscope_cache(model, searched, tokenizer_only)
     if found is None:
         found, why = _download(model, revision, download, tokenizer_only)
         if found is None:
-            raise ModelNotFoundError(_not_found_message(model, revision, searched, why))
+            raise ModelNotFoundError(_not_found_message(model, revision, searched, why, tokenizer_only))
     logger.debug("Resolved %s %r to %s", "tokenizer" if tokenizer_only else "model", model, found)
     return found
 
@@ -230,7 +235,9 @@ def _modelscope_download(repo_id: str, revision: str | None) -> str:
     return snapshot_download(repo_id, **kwargs)
 
 
-def _not_found_message(model: str, revision: str | None, searched: list[str], why: str) -> str:
+def _not_found_message(model: str, revision: str | None, searched: list[str], why: str,
+                       tokenizer_only: bool = False) -> str:
     rev = f" (revision {revision})" if revision else ""
     places = "\n".join(f"  - {place}" for place in searched)
-    return f"Model {model!r}{rev} was not found. Searched:\n{places}\nNot downloaded: {why}."
+    what = "Tokenizer" if tokenizer_only else "Model"
+    return f"{what} {model!r}{rev} was not found. Searched:\n{places}\nNot downloaded: {why}."

@@ -78,6 +78,20 @@ def test_local_path_that_is_not_a_model(tmp_path):
         resolve_model_path(str(tmp_path / "missing"))
 
 
+def test_an_existing_local_path_is_never_taken_for_a_repo_id(tmp_path, monkeypatch):
+    """`models/qwen` (relative) that exists but holds no model is reported at once, as a local path; it looked like
+    a repo id and was downloaded (or, offline, retried for half a minute and reported as a Hub failure)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # the fixture's no_network fails the test on a download attempt
+    (tmp_path / "models" / "qwen").mkdir(parents=True)
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model_path("models/qwen")
+    message = str(info.value)
+    assert f"{tmp_path / 'models' / 'qwen'} (local path: has no config.json and no .gguf file)" in message
+    assert "Not downloaded: the path exists on this machine, so it is not looked up as a repo id" in message
+    with pytest.raises(ModelNotFoundError, match=r"(?s)^Tokenizer 'models/qwen' was not found.*has no tokenizer file"):
+        resolve_model_path("models/qwen", tokenizer_only=True)
+
+
 # ---------------------------------------------------------------------------------------------------
 # 2. Hugging Face cache
 # ---------------------------------------------------------------------------------------------------
