@@ -19,6 +19,13 @@ def env_switch(name: str) -> bool | None:
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, applied after loading (layers/quantization.py)
+# vLLM's (and vllm-ascend's) names of quantized-checkpoint formats, none of which loads here: `serve` accepts them with
+# a warning (the weights load as stored), the offline API refuses them; any other name is a typo, refused everywhere.
+CHECKPOINT_QUANTIZATION_METHODS = (
+    "ascend", "awq", "awq_marlin", "cpu_awq", "gptq", "gptq_marlin", "gptq_marlin_24", "gptq_bitblas", "marlin", "fp8",
+    "ptpc_fp8", "fbgemm_fp8", "fp_quant", "mxfp4", "mxfp8", "modelopt", "modelopt_fp4", "petit_nvfp4",
+    "compressed-tensors", "compressed_tensors", "bitsandbytes", "bitblas", "gguf", "hqq", "aqlm", "qqq", "deepspeedfp",
+    "tpu_int8", "experts_int8", "moe_wna16", "ipex", "inc", "quark", "torchao", "auto-round", "rtn", "neuron_quant")
 # "auto": the model dtype; a half-precision cache under an fp32 model stores K/V rounded to 16 bits and is
 # read back widened (attention itself stays fp32; not bit-exact)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
@@ -95,6 +102,8 @@ class EngineArgs:
             value = kwargs.pop(name)
             if name == "hf_token" and value:
                 os.environ["HF_TOKEN"] = value  # huggingface_hub's downloads read it
+            elif name == "pipeline_parallel_size":
+                check_parallelism(1, 1 if value is None else value)
             elif value not in INERT_ENGINE_ARGS[name][1]:
                 logger.warning("%s=%r is accepted but has no effect: %s.", name, value, INERT_ENGINE_ARGS[name][0])
         unknown = sorted(set(kwargs) - set(cls.field_names()))
@@ -135,9 +144,16 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check_compilation_config(self.compilation_config)
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size must be 1 for now (parallelism is not implemented "
-                             f"yet), got {self.tensor_parallel_size}")
+        check_parallelism(self.tensor_parallel_size)
+
+
+def check_parallelism(tensor_parallel_size, pipeline_parallel_size=1) -> None:
+    """Both sizes must be 1: the model runs on one device (ValueError naming the size asked for). Splitting a model
+    that does not fit one device is what they are for, so asking for one is an error, not an inert flag."""
+    for kind, size in (("tensor", tensor_parallel_size), ("pipeline", pipeline_parallel_size)):
+        if size != 1:
+            raise ValueError(f"{kind}_parallel_size must be 1 for now ({kind} parallelism is not implemented yet; "
+                             f"the model runs on one device), got {size}")
 
 
 # vLLM's LLM(...) arguments that change nothing here: name -> (why, values that need no warning)
@@ -152,7 +168,7 @@ INERT_ENGINE_ARGS = {
     "enable_lora": ("LoRA adapters are not implemented", (None, False)),
     "max_lora_rank": ("LoRA adapters are not implemented", (None,)),
     "max_loras": ("LoRA adapters are not implemented", (None,)),
-    "pipeline_parallel_size": ("pipeline parallelism is not implemented", (None, 1)),
+    "pipeline_parallel_size": ("", (None, 1)),  # any other size is an error (check_parallelism)
     "data_parallel_size": ("data parallelism is not implemented", (None, 1)),
     "distributed_executor_backend": ("one process runs the model", (None,)),
     "limit_mm_per_prompt": ("multimodal input is not implemented", (None,)),
@@ -203,11 +219,12 @@ def _check_quantization(value: str | None) -> None:
     if value is None or value in QUANTIZATION_METHODS:
         return
     allowed = [None, *QUANTIZATION_METHODS]
-    if isinstance(value, str):
+    if value in CHECKPOINT_QUANTIZATION_METHODS:
         raise ValueError(f"quantization {value!r} is not supported: quantized checkpoints (fp8, awq, gptq, "
                          f"...) cannot be loaded; quantization must be one of {allowed} (weight-only, "
                          f"applied to a full-precision checkpoint at load)")
-    raise ValueError(f"quantization must be one of {allowed}, got {value!r}")
+    raise ValueError(f"quantization must be one of {allowed} (weight-only, applied at load), got {value!r}, which "
+                     f"is no quantization method vLLM knows either")
 
 
 def _check_kv_cache_dtype(value) -> None:

@@ -4,7 +4,7 @@ import argparse
 import json
 
 from ascendserve.config import (ACTIVATION_QUANTIZATION_METHODS, ARRIVAL_WINDOW_CAP, KV_CACHE_DTYPES,
-                                MAMBA_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs)
+                                MAMBA_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs, check_parallelism)
 
 
 # What building an engine raises for a wrong model, flag or file (not found, bad config, truncated weights, a KV cache
@@ -94,13 +94,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=human_readable_int, default=None,
                         help="e.g. 32768, 32k (32000) or 32K (32768), as vLLM reads it")
     parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
+                        help="e.g. 8192 or 8K, as vLLM reads it")
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
+                        help="e.g. 4G (4 GiB) or 4g (4 GB), as vLLM reads it")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                         help="schedule and prepare step N+1 while step N computes")
@@ -108,7 +110,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="when the engine is idle and a request arrives, wait until no other request has "
                              f"arrived for this many ms (at most {ARRIVAL_WINDOW_CAP} times as long) before the "
                              "first step, so requests sent together are prefilled together; 0 turns it off")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                        help="1: the model runs on one device (parallelism is not implemented yet)")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1, as --tensor-parallel-size")
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--quantization", "-q", default=None,
                         help=f"weight-only quantization applied at load, one of {list(QUANTIZATION_METHODS)} "
@@ -135,6 +139,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     """EngineArgs from parsed flags (fields not on the namespace keep their defaults)."""
+    check_parallelism(ns.tensor_parallel_size, ns.pipeline_parallel_size)  # before a warning about any other flag
     names = set(EngineArgs.field_names())
     kwargs = {k: v for k, v in vars(ns).items() if k in names and k != "model"}
     args = EngineArgs(model=getattr(ns, "model", None), **kwargs)

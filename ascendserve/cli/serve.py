@@ -12,7 +12,7 @@ import sys
 import threading
 
 from ascendserve.cli.engine_flags import STARTUP_ERRORS, add_engine_flags, engine_args_from
-from ascendserve.config import QUANTIZATION_METHODS
+from ascendserve.config import CHECKPOINT_QUANTIZATION_METHODS, QUANTIZATION_METHODS, check_parallelism
 from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -36,7 +36,6 @@ NO_EFFECT_FLAGS = {
     "--data-parallel-start-rank": ({"type": int}, "data parallelism is not implemented"),
     "--api-server-count": ({"type": int}, "one API server process serves"),
     "--headless": ({"action": "store_true"}, "there are no remote engines to run headless"),
-    "--pipeline-parallel-size": ({"type": int}, "pipeline parallelism is not implemented"),
     "--enable-expert-parallel": ({"action": "store_true"}, "expert parallelism is not implemented"),
     "--additional-config": ({"type": None}, "no platform plugin reads it"),
     "--speculative-config": ({"type": None}, "speculative decoding (MTP) is not implemented"),
@@ -81,10 +80,13 @@ NO_EFFECT_FLAGS = {
 def _json_flag(flag: str):
     def parse(value: str):
         try:
-            return json.loads(value)
+            value = json.loads(value)
         except json.JSONDecodeError as e:
             raise argparse.ArgumentTypeError(
                 f"invalid JSON {value!r}: {e}. A correct example: {flag} {JSON_FLAG_EXAMPLES[flag]}") from None
+        if flag == "--compilation-config" and type(value) is int:  # vLLM's `--compilation-config 3`: the level
+            return {"level": value}
+        return value
     return parse
 
 
@@ -96,6 +98,17 @@ def _list_flag(value: str) -> list[str]:
         except json.JSONDecodeError as e:
             raise argparse.ArgumentTypeError(f"invalid JSON list {value!r}: {e}; example: '[\"*\"]'") from None
     return [value]
+
+
+def _port(value: str) -> int:
+    """argparse type: a TCP port, 0 to 65535."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port number is needed, got {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {port}")
+    return port
 
 
 def register(sub) -> None:
@@ -112,7 +125,7 @@ def register(sub) -> None:
 def add_server_flags(p: argparse.ArgumentParser) -> None:
     """The frontend flags of `vllm serve`, plus the accepted-but-inert ones."""
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000; 0: any free port)")
     p.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of --host / --port")
     p.add_argument("--root-path", default=None, help="the path prefix a reverse proxy serves the API under")
     p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
@@ -182,13 +195,12 @@ def warn_no_effect_flags(ns: argparse.Namespace) -> list[str]:
     warned = []
     for flag, (_, why) in NO_EFFECT_FLAGS.items():
         value = getattr(ns, flag.lstrip("-").replace("-", "_"))
-        if value is None or value is False or (flag.startswith("--data-parallel-size") and value == 1) or (
-                flag == "--pipeline-parallel-size" and value == 1):
+        if value is None or value is False or (flag.startswith("--data-parallel-size") and value == 1):
             continue
         logger.warning("%s %s is accepted but has no effect: %s.", flag,
                        json.dumps(value) if not isinstance(value, str) else value, why)
         warned.append(flag)
-    if ns.quantization is not None and ns.quantization not in QUANTIZATION_METHODS:
+    if ns.quantization in CHECKPOINT_QUANTIZATION_METHODS:
         # vLLM's checkpoint methods (`ascend`, fp8, awq, ...): accepted as before, weights load as stored.
         logger.warning("--quantization %s is accepted but has no effect: quantized checkpoints are not supported; "
                        "weights load as stored (weight-only %s are the supported values).",
@@ -205,6 +217,7 @@ def check_flags(ns: argparse.Namespace) -> None:
     from ascendserve.parsers.reasoning import get_reasoning_parser
     from ascendserve.parsers.tool import get_tool_parser
 
+    check_parallelism(ns.tensor_parallel_size, ns.pipeline_parallel_size)  # first: the one line a user must read
     forced_gemm()  # the CPU linears' environment switches: an unknown value stops here, not mid-load
     forced_bf16_large_batches()
 
@@ -212,10 +225,10 @@ def check_flags(ns: argparse.Namespace) -> None:
         get_reasoning_parser(ns.reasoning_parser)
     if ns.tool_call_parser:
         get_tool_parser(ns.tool_call_parser)
-    if ns.default_chat_template_kwargs is not None and not isinstance(ns.default_chat_template_kwargs, dict):
-        raise ValueError(f"--default-chat-template-kwargs must be a JSON object, got "
-                         f"{json.dumps(ns.default_chat_template_kwargs)}; example: "
-                         f"{JSON_FLAG_EXAMPLES['--default-chat-template-kwargs']}")
+    for flag, example in JSON_FLAG_EXAMPLES.items():
+        value = getattr(ns, flag.lstrip("-").replace("-", "_"))
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{flag} must be a JSON object, got {json.dumps(value)}; example: {flag} {example}")
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (e.g. --tool-call-parser qwen3_coder)")
     if ns.shutdown_timeout < 0:
@@ -241,10 +254,6 @@ def run(ns: argparse.Namespace) -> int:
         os.environ["HF_TOKEN"] = ns.hf_token  # huggingface_hub's downloads read it
     try:
         check_flags(ns)
-        if ns.tensor_parallel_size != 1:
-            raise ValueError(f"--tensor-parallel-size {ns.tensor_parallel_size}: tensor parallelism is not "
-                             f"implemented yet (tensor_parallel_size must be 1); this server runs the model on "
-                             f"one device")
         warn_no_effect_flags(ns)  # before engine_args_from: it drops a checkpoint --quantization value
         args = engine_args_from(ns)
         from ascendserve.entrypoints.openai.chat_utils import load_chat_template

@@ -295,6 +295,9 @@ def test_vllm_engine_arguments_the_offline_api_takes(caplog, monkeypatch):
     assert not any(name in m for m in warned for name in ("cpu_offload_gb", "enable_lora", "scheduling_policy"))
     with pytest.raises(ValueError, match="enforce_eager must be bool, got 'maybe'"):
         EngineArgs.from_kwargs("m", enforce_eager="maybe")
+    EngineArgs.from_kwargs("m", pipeline_parallel_size=1)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be 1 for now .* got 2"):  # was inert: a warning
+        EngineArgs.from_kwargs("m", pipeline_parallel_size=2)
 
 
 def test_calls_vllm_scripts_make(llm):

@@ -147,6 +147,31 @@ def test_bad_json_flag_stops_with_value_error_and_example(flag, capsys):
     assert f"A correct example: {flag} '{{" in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "70000"], "argument --port: a port is 0 to 65535, got 70000"),  # was an OverflowError traceback
+    (["--port", "http"], "argument --port: a port number is needed, got 'http'"),
+])
+def test_bad_flag_types_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, text, value", [("--max-num-batched-tokens", "8K", 8192),
+                                                ("--kv-cache-memory-bytes", "4G", 4 * 2**30),
+                                                ("--kv-cache-memory-bytes", "1.5g", 1_500_000_000)])
+def test_vllms_human_readable_sizes(started, flag, text, value):
+    """vLLM reads these two (as --max-model-len) with k / m / g suffixes; `4G` was 'invalid int value'."""
+    assert main(["serve", flag, text]) == 0
+    assert getattr(started["args"], flag.lstrip("-").replace("-", "_")) == value
+
+
+def test_an_integer_compilation_config_is_vllms_level(started, caplog):
+    assert main(["serve", "--compilation-config", "3"]) == 0
+    assert started["args"].compilation_config == {"level": 3}
+    assert "compilation_config keys ['level'] are accepted but have no effect" in caplog.text
+
+
 def test_bad_json_exit_code_in_a_real_process():
     proc = subprocess.run([sys.executable, "-m", "ascendserve.cli.main", "serve", "--compilation-config", "FULL"],
                           capture_output=True, text=True, timeout=120)
@@ -174,6 +199,12 @@ def test_a_model_that_fails_to_load_is_one_error_line_in_a_real_process(tmp_path
 
 @pytest.mark.parametrize("argv, message", [
     (["--tensor-parallel-size", "2"], "tensor_parallel_size must be 1"),
+    (["--pipeline-parallel-size", "2"], "pipeline_parallel_size must be 1 for now (pipeline parallelism is not "
+                                        "implemented yet"),  # it was an inert flag: a warning, then one device
+    (["--quantization", "bogus"], "quantization must be one of [None, 'int8', 'int4'] (weight-only, applied at load), "
+                                  "got 'bogus'"),  # it was a warning, and the server started unquantized
+    (["--hf-overrides", "[1, 2]"], "--hf-overrides must be a JSON object, got [1, 2]; example: --hf-overrides '{"),
+    (["--compilation-config", "[3]"], "--compilation-config must be a JSON object, got [3]"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
     (["--tool-call-parser", "nope"], "known tool-call parsers: hermes, qwen3_coder"),
     (["--reasoning-parser", "nope"], "known reasoning parsers"),
