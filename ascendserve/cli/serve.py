@@ -210,8 +210,29 @@ def warn_no_effect_flags(ns: argparse.Namespace) -> list[str]:
     return warned
 
 
+def log_stats_interval() -> float:
+    """Seconds between the stats log lines: VLLM_LOG_STATS_INTERVAL, 10 unless set. As vLLM's, 0 or less means the
+    default (said once here: it was a busy loop of log lines); ValueError naming it for a value that is no number."""
+    from ascendserve.entrypoints.openai.api_server import DEFAULT_LOG_STATS_INTERVAL_S
+
+    value = os.environ.get("VLLM_LOG_STATS_INTERVAL")
+    if value is None:
+        return DEFAULT_LOG_STATS_INTERVAL_S
+    try:
+        interval = float(value)
+    except ValueError:
+        raise ValueError(f"VLLM_LOG_STATS_INTERVAL must be a number of seconds (between the stats log lines; "
+                         f"{DEFAULT_LOG_STATS_INTERVAL_S:g} unless set), got {value!r}") from None
+    if not interval > 0:  # NaN too
+        logger.warning("VLLM_LOG_STATS_INTERVAL=%s is not above 0: the stats are logged every %g s, as vLLM does.",
+                       value, DEFAULT_LOG_STATS_INTERVAL_S)
+        return DEFAULT_LOG_STATS_INTERVAL_S
+    return interval
+
+
 def check_flags(ns: argparse.Namespace) -> None:
     """Fail fast (before loading the model) on values that cannot work; raises ValueError."""
+    from ascendserve.engine.sampling_params import max_n_sequences
     from ascendserve.layers.compact_linear import forced_bf16_large_batches
     from ascendserve.layers.linear import forced_gemm
     from ascendserve.parsers.reasoning import get_reasoning_parser
@@ -220,6 +241,9 @@ def check_flags(ns: argparse.Namespace) -> None:
     check_parallelism(ns.tensor_parallel_size, ns.pipeline_parallel_size)  # first: the one line a user must read
     forced_gemm()  # the CPU linears' environment switches: an unknown value stops here, not mid-load
     forced_bf16_large_batches()
+    max_n_sequences()  # the environment's other numbers: read once now, so a typo is not a 400 on every request
+    if not ns.disable_log_stats:
+        log_stats_interval()
 
     if ns.reasoning_parser:
         get_reasoning_parser(ns.reasoning_parser)
@@ -374,7 +398,7 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None, sock) -> None
     """Build engine and app, then run uvicorn on the bound socket `sock` (blocks)."""
     from ascendserve.engine.async_engine import AsyncLLM
     from ascendserve.engine.llm_engine import LLMEngine
-    from ascendserve.entrypoints.openai.api_server import DEFAULT_LOG_STATS_INTERVAL_S, FrontendOptions, build_app
+    from ascendserve.entrypoints.openai.api_server import FrontendOptions, build_app
     from ascendserve.entrypoints.openai.serving_engine import ServerOptions
     from ascendserve.entrypoints.openai.serving_models import ServingModels
     from ascendserve.metrics import EngineMetrics
@@ -399,8 +423,7 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None, sock) -> None
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
         enable_force_include_usage=ns.enable_force_include_usage,
         default_sampling_params=engine.default_sampling_params)
-    interval = None if ns.disable_log_stats else float(
-        os.environ.get("VLLM_LOG_STATS_INTERVAL", DEFAULT_LOG_STATS_INTERVAL_S))
+    interval = None if ns.disable_log_stats else log_stats_interval()
     cors = {"allowed_origins": _flat(ns.allowed_origins), "allowed_methods": _flat(ns.allowed_methods),
             "allowed_headers": _flat(ns.allowed_headers), "allow_credentials": ns.allow_credentials}
     frontend = FrontendOptions(docs=not ns.disable_fastapi_docs, request_id_headers=ns.enable_request_id_headers,

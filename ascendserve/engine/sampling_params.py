@@ -301,8 +301,17 @@ _REPR_FIELDS = (
 
 
 def max_n_sequences() -> int:
-    """vLLM's cap on `n`: VLLM_MAX_N_SEQUENCES, 16384 unless set."""
-    return int(os.environ.get("VLLM_MAX_N_SEQUENCES", "16384"))
+    """vLLM's cap on `n`: VLLM_MAX_N_SEQUENCES, 16384 unless set; ValueError naming it for a value that is not a
+    positive integer (`serve` reads it at start-up, so a typo stops the server, not every request)."""
+    value = os.environ.get("VLLM_MAX_N_SEQUENCES", "16384")
+    try:
+        max_n = int(value)
+    except ValueError:
+        max_n = 0
+    if max_n < 1:
+        raise ValueError(f"VLLM_MAX_N_SEQUENCES must be a positive integer (the most sequences one request's n may "
+                         f"ask for; 16384 unless set), got {value!r}")
+    return max_n
 
 
 def _check_int(name: str, value: object) -> None:

@@ -209,6 +209,8 @@ def test_a_model_that_fails_to_load_is_one_error_line_in_a_real_process(tmp_path
     (["--tool-call-parser", "nope"], "known tool-call parsers: hermes, qwen3_coder"),
     (["--reasoning-parser", "nope"], "known reasoning parsers"),
     (["--chat-template", "no-such-file.jinja"], "neither an existing file nor a Jinja template"),
+    (["--chat-template", "{% for m in messages %}{{ m.content }"],  # was a 400 on every chat request
+     "--chat-template: the template string is not a valid Jinja template: unexpected '}' (line 1)"),
     (["--max-waiting-requests", "-1"], "--max-waiting-requests must be >= 0"),
     (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
     (["--kv-cache-dtype", "fp8"], "kv_cache_dtype 'fp8' is not supported: fp8 KV caches are not implemented"),
@@ -232,6 +234,40 @@ def test_bad_kernel_environment_stops_before_loading(started, capsys, monkeypatc
     assert main(["serve"]) == 2
     assert message in capsys.readouterr().err
     assert not started
+
+
+@pytest.mark.parametrize("env, value, message", [
+    # was a ValueError traceback after the model had loaded
+    ("VLLM_LOG_STATS_INTERVAL", "abc", "VLLM_LOG_STATS_INTERVAL must be a number of seconds (between the stats log "
+                                       "lines; 10 unless set), got 'abc'"),
+    # was a 400 'invalid literal for int()' on every request
+    ("VLLM_MAX_N_SEQUENCES", "abc", "VLLM_MAX_N_SEQUENCES must be a positive integer"),
+    ("VLLM_MAX_N_SEQUENCES", "0", "VLLM_MAX_N_SEQUENCES must be a positive integer"),
+])
+def test_bad_vllm_environment_stops_before_loading(started, capsys, monkeypatch, env, value, message):
+    monkeypatch.setenv(env, value)
+    assert main(["serve"]) == 2
+    assert message in capsys.readouterr().err
+    assert not started
+
+
+@pytest.mark.parametrize("value, interval", [(None, 10.0), ("2.5", 2.5), ("0", 10.0), ("-1", 10.0)])
+def test_log_stats_interval_as_vllm_reads_it(monkeypatch, caplog, value, interval):
+    """0 or less is vLLM's default, with a warning (a negative interval was a busy loop of stats lines)."""
+    if value is not None:
+        monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", value)
+    assert serve_cli.log_stats_interval() == interval
+    assert ("is not above 0" in caplog.text) == (value in ("0", "-1"))
+
+
+def test_a_chat_template_file_is_compiled_at_start(started, capsys, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}\n{{ m.content }}\n{% endfor %}\n{% if x %}")
+    assert main(["serve", "--chat-template", str(path)]) == 2
+    assert f"--chat-template: {path} is not a valid Jinja template: Unexpected end of template" in capsys.readouterr().err
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert main(["serve", "--chat-template", str(path)]) == 0
+    assert started["chat_template"] == path.read_text()
 
 
 def test_kv_cache_dtype_reaches_the_engine_without_a_warning(started, warnings):

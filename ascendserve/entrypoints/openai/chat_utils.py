@@ -167,11 +167,25 @@ def load_chat_template(value: str | None) -> str | None:
         return None
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
-            return f.read()
+            return _compiled(f.read(), value)
     if any(marker in value for marker in _JINJA_MARKERS):
-        return value
+        return _compiled(value, "the template string")
     raise ValueError(f"--chat-template {value!r} is neither an existing file nor a Jinja template "
                      f"(a template contains '{{{{' or '{{%'); example: --chat-template ./template.jinja")
+
+
+def _compiled(template: str, where: str) -> str:
+    """The template, once transformers' Jinja environment compiles it; a syntax error is a ValueError naming the line
+    (it was a 400 on every chat request)."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: {where} is not a valid Jinja template: {e.message} "
+                         f"(line {e.lineno})") from None
+    return template
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
