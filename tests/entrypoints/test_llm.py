@@ -268,7 +268,7 @@ def test_chat_uses_the_checkpoint_template(llm):
                     SamplingParams(temperature=0, max_tokens=4), continue_final_message=True,
                     add_generation_prompt=False, use_tqdm=False)
     assert cont[0].prompt.endswith("The colour")  # no end-of-turn, no new assistant header
-    with pytest.raises(ValueError, match="text only"):
+    with pytest.raises(ValueError, match="vision tower is not implemented"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
 
 

@@ -114,6 +114,21 @@ def test_qwen3_5_chat_flags_parse(started, warnings):
     assert main(["serve", "--default-chat-template-kwargs", "[1]"]) == 2
 
 
+def test_vllm_multimodal_flags_parse(started, warnings):
+    """The Qwen3.5 model card's multimodal flags (the vision tower is not implemented): each warns once; they were
+    'unrecognized arguments'."""
+    line = ("serve --mm-processor-kwargs '{\"max_pixels\": 1003520}' --media-io-kwargs '{\"video\": {\"num_frames\": "
+            "32}}' --mm-processor-cache-type shm --mm-shm-cache-max-object-size-mb 128 --mm-encoder-attn-backend "
+            "FLASH_ATTN --interleave-mm-strings --video-pruning-rate 0.5 --allowed-media-domains a.com b.com "
+            "--enable-mm-embeds")
+    assert main(shlex.split(line)) == 0
+    assert started["ns"].allowed_media_domains == ["a.com", "b.com"]
+    assert_warned_once_each(warnings, ["--mm-processor-kwargs", "--media-io-kwargs", "--mm-processor-cache-type",
+                                       "--mm-shm-cache-max-object-size-mb", "--mm-encoder-attn-backend",
+                                       "--interleave-mm-strings", "--video-pruning-rate", "--allowed-media-domains",
+                                       "--enable-mm-embeds"])
+
+
 def test_vllm_loading_flags_parse(started, warnings, monkeypatch):
     """The loading flags of vLLM command lines: the generation-config pair, --hf-token and a human-readable
     --max-model-len act; the rest warn once each (the token itself is never logged)."""

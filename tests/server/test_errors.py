@@ -97,7 +97,11 @@ def test_tool_choice_errors(http):
 def test_chat_content_and_template_errors(http):
     image = [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]
     check_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": image}]}), 400,
-                param="messages[0].content", contains=("text only",))
+                param="messages[0].content[0]", contains=("the vision tower is not implemented",))
+    big = [{"type": "text", "text": "hi"}, {"type": "image_jpeg", "data": "A" * 100_000}]  # an unknown inline part
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": big}]})
+    check_error(r, 400, param="messages[0].content[1]", contains=("unknown type 'image_jpeg'",))
+    assert len(r.text) < 1000  # the part is not echoed back
     r = http.post("/v1/chat/completions", json={"messages": CHAT, "chat_template": "{{ bad"})
     check_error(r, 400, param="chat_template", contains=("--trust-request-chat-template",))
     r = http.post("/v1/chat/completions", json={"messages": CHAT, "continue_final_message": True,

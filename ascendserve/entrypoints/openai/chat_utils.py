@@ -208,20 +208,45 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+# Content-part types that carry media (OpenAI's, the Responses API's and vLLM's extensions), none of which is read yet.
+_MEDIA_PARTS = ("image_url", "input_image", "image", "image_pil", "image_embeds", "video_url", "video", "video_embeds",
+                "input_audio", "audio_url", "audio", "audio_embeds", "file", "input_file")
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}  # type -> its field
+
+
 def _join_text_parts(parts: list, index: int) -> str:
+    """A list of content parts as the text a template reads (text parts joined by newlines); a media or malformed part
+    is a 400 naming `messages[i].content[j]`, never echoing the part itself (an inline image is megabytes)."""
     texts = []
-    for part in parts:
-        kind = part.get("type") if isinstance(part, dict) else None
+    for j, part in enumerate(parts):
+        where = f"messages[{index}].content[{j}]"
         if isinstance(part, str):  # a bare string part, as vLLM takes it
             texts.append(part)
-        elif kind in ("text", "input_text", "output_text"):  # the last two: the Responses API's names
-            texts.append(str(part.get("text", "")))
-        elif kind in ("image_url", "input_image", "image", "video_url", "input_audio", "audio_url"):
-            raise OpenAIError(f"messages[{index}].content has a {kind!r} part, but this model accepts text "
-                              f"only.", 400, param=f"messages[{index}].content")
+            continue
+        if not isinstance(part, dict):
+            raise OpenAIError(f"{where} must be a content part object such as {{'type': 'text', 'text': ...}}, got "
+                              f"{type(part).__name__}", 400, param=where)
+        kind = part.get("type")
+        if kind is None:  # as vLLM: a part without a type is known by its field
+            kind = next((k for k in (*_TEXT_PARTS, *_MEDIA_PARTS) if k in part), None)
+        if kind in _TEXT_PARTS:
+            text = part.get(_TEXT_PARTS[kind])
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise OpenAIError(f"{where}.{_TEXT_PARTS[kind]} must be a string, got {type(text).__name__}", 400,
+                                  param=f"{where}.{_TEXT_PARTS[kind]}")
+            texts.append(text)
+        elif kind in _MEDIA_PARTS:
+            raise OpenAIError(f"{where} is of type {kind!r}, but images, video and audio are not read yet (the "
+                              f"vision tower is not implemented): send text parts only.", 400, param=where)
+        elif kind is None:
+            raise OpenAIError(f"{where} has no 'type' (its fields: {sorted(map(str, part))[:8]}); expected "
+                              f"{{'type': 'text', 'text': ...}}", 400, param=where)
         else:
-            raise OpenAIError(f"messages[{index}].content has an unknown part {part!r}; expected "
-                              f"{{'type': 'text', 'text': ...}}", 400, param=f"messages[{index}].content")
+            shown = kind if isinstance(kind, str) and len(kind) <= 40 else f"{str(kind)[:40]}..."
+            raise OpenAIError(f"{where} has an unknown type {shown!r}; the types read are 'text' (also "
+                              f"'input_text', 'output_text', 'refusal')", 400, param=where)
     return "\n".join(texts)
 
 
