@@ -12,6 +12,7 @@ from ascendserve.config import EngineArgs, EngineConfig
 from ascendserve.layers.rotary import cover_positions, position_limit
 from ascendserve.loader.resolve import PYTORCH_BIN_PATTERN, SAFETENSORS_PATTERN
 from ascendserve.logger import init_logger
+from ascendserve.models.registry import supported_architecture
 from ascendserve.models.weights import WeightLoadError
 from ascendserve.platforms import get_platform
 
@@ -45,13 +46,42 @@ def load_hf_config(path: str, args: EngineArgs):
         config = load_gguf_config(path)
     else:
         from transformers import AutoConfig
-        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        except ValueError as e:
+            _explain_unknown_model_type(path, e)
+            raise
     if callable(args.hf_overrides):  # vLLM's other form: a function of the config, returning it
         config = args.hf_overrides(config)
     else:
         apply_hf_overrides(config, args.hf_overrides or {})
     _refuse_quantized_checkpoint(config, path)
     return config
+
+
+def _explain_unknown_model_type(path: str, error: ValueError) -> None:
+    """transformers' 'does not recognize this architecture' (its advice: upgrade transformers) said in this engine's
+    terms: a model this engine does not run is named with the architectures it does; only for one it runs is a newer
+    transformers the fix. Returns (the caller re-raises) for any other error."""
+    from ascendserve.models.registry import supported_architectures
+
+    text = str(error)
+    if "does not recognize this architecture" not in text and "Unrecognized model" not in text:
+        return
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return
+    model_type, architectures = raw.get("model_type"), raw.get("architectures")
+    import transformers
+    if set(architectures or []) & set(supported_architectures()):
+        raise ValueError(f"the model at {path} is a {architectures[0]} (model_type {model_type!r}), which the "
+                         f"installed transformers {transformers.__version__} cannot read: pip install -U "
+                         f"'transformers>=5.2,<6'") from None
+    what = f"model_type {model_type!r}" if model_type else "no model_type"
+    raise ValueError(f"the model at {path} ({what}, architectures {architectures}) is not one this engine runs; "
+                     f"supported architectures: {supported_architectures()}") from None
 
 
 def _refuse_quantized_checkpoint(config, path: str) -> None:
@@ -126,6 +156,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     _check_quantization_device(args, platform)
     path = resolve_model(args)
     hf_config = load_hf_config(path, args)
+    supported_architecture(getattr(hf_config, "architectures", None))  # before the tokenizer loads: its error misleads
     text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
     dtype = _resolve_dtype(args.dtype, hf_config, text_config, platform)
     max_model_len = _resolve_max_model_len(args.max_model_len, text_config)

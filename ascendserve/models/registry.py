@@ -19,11 +19,16 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def get_model_class(architectures: list[str] | None):
-    """The class for the first supported name in `architectures`; ValueError naming them if none."""
+def supported_architecture(architectures: list[str] | None) -> str:
+    """The first supported name in `architectures`; ValueError naming them if none."""
     for arch in architectures or []:
         if arch in _MODELS:
-            module, cls = _MODELS[arch]
-            return getattr(importlib.import_module(f"ascendserve.models.{module}"), cls)
+            return arch
     raise ValueError(f"model architectures {architectures} are not supported; "
                      f"supported: {supported_architectures()}")
+
+
+def get_model_class(architectures: list[str] | None):
+    """The class for the first supported name in `architectures`; ValueError naming them if none."""
+    module, cls = _MODELS[supported_architecture(architectures)]
+    return getattr(importlib.import_module(f"ascendserve.models.{module}"), cls)

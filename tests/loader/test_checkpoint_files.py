@@ -101,6 +101,25 @@ def test_quantized_checkpoints_are_refused_clearly(tmp_path):
         generate(tmp_path)
 
 
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "foo_bar", "architectures": ["FooForCausalLM"]},
+     r"\(model_type 'foo_bar', architectures \['FooForCausalLM'\]\) is not one this engine runs; supported "
+     r"architectures: \['LlamaForCausalLM'"),  # was transformers' 'pip install --upgrade transformers'
+    ({"architectures": ["FooForCausalLM"]}, r"\(no model_type, .* is not one this engine runs"),
+    ({"model_type": "qwen9_next", "architectures": ["Qwen3_5ForCausalLM"]},
+     r"is a Qwen3_5ForCausalLM \(model_type 'qwen9_next'\), which the installed transformers .* cannot read: "
+     r"pip install -U"),
+    # a config transformers reads, of a model this engine does not run: said before the tokenizer loads (it was the
+    # tokenizer's 'Couldn't instantiate the backend tokenizer' for a directory with a config alone)
+    ({"model_type": "llama", "architectures": ["FooForCausalLM"]},
+     r"model architectures \['FooForCausalLM'\] are not supported"),
+])
+def test_a_model_this_engine_does_not_run_is_named_with_those_it_does(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        generate(tmp_path)
+
+
 def test_auto_dtype_reads_a_composite_configs_root():
     platform = get_platform("cpu")
     root = SimpleNamespace(dtype="bfloat16")
