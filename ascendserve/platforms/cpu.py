@@ -15,6 +15,24 @@ logger = init_logger(__name__)
 # also defaults to a fixed few GiB, not a share of all RAM, since RAM is shared with everything else).
 CPU_KV_CACHE_FRACTION = 0.25
 CPU_KV_CACHE_MAX_BYTES = 4 << 30
+# vLLM's CPU backend reads the KV cache size in GiB from this variable (0 or unset: its default).
+KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def kv_cache_space_bytes() -> int | None:
+    """VLLM_CPU_KVCACHE_SPACE in bytes (GiB as vLLM reads it; None when unset or 0); ValueError for a value that is
+    not a number of GiB at or above 0."""
+    value = os.environ.get(KV_CACHE_SPACE_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:
+        raise ValueError(f"{KV_CACHE_SPACE_ENV} must be the KV cache size in GiB (e.g. 40; 0 or unset: the default, "
+                         f"a quarter of the available memory, at most 4 GiB), got {value!r}")
+    return int(gib * (1 << 30)) or None
 
 
 HUGE_PAGE = 2 << 20

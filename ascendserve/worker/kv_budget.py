@@ -6,8 +6,9 @@ running request) is taken first, the KV blocks get the rest.
 
 import torch
 
-from ascendserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig
+from ascendserve.config import DEFAULT_MAX_NUM_SEQS, EngineArgs, EngineConfig
 from ascendserve.logger import init_logger
+from ascendserve.platforms.cpu import KV_CACHE_SPACE_ENV, kv_cache_space_bytes
 from ascendserve.worker.model_runner import (is_hybrid, kv_cache_bytes_per_block, state_cache_bytes_per_slot,
                                              state_cache_spec)
 
@@ -31,10 +32,18 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
     state_spec = state_cache_spec(model, config) if is_hybrid(model) else {}
     per_slot = state_cache_bytes_per_slot(state_spec, config.dtype) if state_spec else 0
     budget, source = None, "num_gpu_blocks_override"
+    on_cpu = config.platform.name == "cpu"
     if args.num_gpu_blocks_override is None:
         if args.kv_cache_memory_bytes is not None:
             budget, source = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        elif on_cpu and kv_cache_space_bytes() is not None:
+            budget, source = kv_cache_space_bytes(), KV_CACHE_SPACE_ENV
         else:
+            if on_cpu and args.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
+                logger.warning("gpu_memory_utilization=%s has no effect on the CPU: its KV cache takes a quarter of "
+                               "the available memory, at most 4 GiB, unless %s (GiB, vLLM's) or "
+                               "kv_cache_memory_bytes gives its size.", args.gpu_memory_utilization,
+                               KV_CACHE_SPACE_ENV)
             # The default budget reads free memory now, after build_model: copies made at load
             # (MKL weight packs, layers/linear.py) are already resident and so already excluded.
             weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -60,6 +69,8 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
         num_blocks = max((budget - state_bytes) // per_block, 0)
         if state_bytes:
             source += " minus the state pool"
+    if not source.endswith("default"):
+        _check_fits_in_memory(config.platform, num_blocks * per_block + state_bytes, source)
     needed = -(-config.max_model_len // args.block_size)
     logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %s (%s, %d layers); "
                 "%.1f requests of max_model_len %d fit at once%s", source, num_blocks, args.block_size,
@@ -73,6 +84,15 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
             f"lower max_model_len or give the cache more memory (kv_cache_memory_bytes, "
             f"num_gpu_blocks_override or gpu_memory_utilization)" + (" or lower max_num_seqs" if state_bytes else ""))
     return num_blocks
+
+
+def _check_fits_in_memory(platform, pool_bytes: int, source: str) -> None:
+    """A size the user gave must fit in the memory free now (the weights already loaded): allocating more would be
+    the kernel's OOM kill mid-start on a CPU, a CUDA OOM traceback on a GPU, instead of this line."""
+    free, _ = platform.mem_get_info()
+    if pool_bytes > free:
+        raise ValueError(f"the KV cache asked for ({source}) takes {_size(pool_bytes)}, more than the {_size(free)} "
+                         f"of {platform.name} memory free now, after the weights; give it less")
 
 
 def _resolve_max_num_seqs(requested: int | None, per_slot: int, budget: int | None) -> int:

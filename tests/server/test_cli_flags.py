@@ -258,6 +258,7 @@ def test_bad_kernel_environment_stops_before_loading(started, capsys, monkeypatc
     # was a 400 'invalid literal for int()' on every request
     ("VLLM_MAX_N_SEQUENCES", "abc", "VLLM_MAX_N_SEQUENCES must be a positive integer"),
     ("VLLM_MAX_N_SEQUENCES", "0", "VLLM_MAX_N_SEQUENCES must be a positive integer"),
+    ("VLLM_CPU_KVCACHE_SPACE", "40G", "VLLM_CPU_KVCACHE_SPACE must be the KV cache size in GiB"),
 ])
 def test_bad_vllm_environment_stops_before_loading(started, capsys, monkeypatch, env, value, message):
     monkeypatch.setenv(env, value)
