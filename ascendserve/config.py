@@ -18,6 +18,7 @@ def env_switch(name: str) -> bool | None:
     return True if value in ("1", "true", "on", "yes") else False if value in ("0", "false", "off", "no") else None
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+MAX_MODEL_LEN_AUTO = -1  # vLLM's max_model_len "auto" (or -1): the longest context the KV cache holds
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, applied after loading (layers/quantization.py)
 # vLLM's (and vllm-ascend's) names of quantized-checkpoint formats, none of which loads here: `serve` accepts them with
 # a warning (the weights load as stored), the offline API refuses them; any other name is a typo, refused everywhere.
@@ -112,6 +113,8 @@ class EngineArgs:
                             f"{', '.join(cls.field_names())}")
         if "dtype" in kwargs and not isinstance(kwargs["dtype"], str):  # torch.bfloat16 -> "bfloat16"
             kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
+        if kwargs.get("max_model_len") == "auto":
+            kwargs["max_model_len"] = MAX_MODEL_LEN_AUTO
         if isinstance(kwargs.get("compilation_config"), int) and not isinstance(kwargs["compilation_config"], bool):
             kwargs["compilation_config"] = {"level": kwargs["compilation_config"]}
         kwargs = {name: _coerce(name, value, _FIELD_TYPES.get(name)) for name, value in kwargs.items()}
@@ -135,7 +138,8 @@ class EngineArgs:
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1 (-1: no cap), got {self.max_logprobs!r}")
         _check_positive("block_size", self.block_size)
-        _check_positive("max_model_len", self.max_model_len)
+        if self.max_model_len != MAX_MODEL_LEN_AUTO:
+            _check_positive("max_model_len", self.max_model_len)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
         _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
@@ -279,6 +283,8 @@ class EngineConfig:
     platform: Any = None
     served_model_name: str = ""
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # resolved when the cache is planned
+    # max_model_len "auto" (vLLM's, or -1): the model's length until the KV cache is planned, then as much as it holds
+    max_model_len_auto: bool = False
     kv_cache_dtype: Any = None  # torch.dtype of the KV cache: `dtype` unless args.kv_cache_dtype says otherwise
     # torch.dtypes a hybrid model's state pools take over its state_cache_spec's (None: the spec's own)
     conv_state_dtype: Any = None

@@ -4,7 +4,8 @@ import argparse
 import json
 
 from ascendserve.config import (ACTIVATION_QUANTIZATION_METHODS, ARRIVAL_WINDOW_CAP, KV_CACHE_DTYPES,
-                                MAMBA_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs, check_parallelism)
+                                MAMBA_CACHE_DTYPES, MAX_MODEL_LEN_AUTO, QUANTIZATION_METHODS, EngineArgs,
+                                check_parallelism)
 
 
 # What building an engine raises for a wrong model, flag or file (not found, bad config, truncated weights, a KV cache
@@ -65,6 +66,14 @@ def human_readable_int(value: str) -> int:
             from None
 
 
+def max_model_len_flag(value: str) -> int:
+    """argparse type of --max-model-len: human_readable_int, or vLLM's `auto` / -1 (the longest context the KV cache
+    holds)."""
+    if value.strip().lower() in ("auto", "-1"):
+        return MAX_MODEL_LEN_AUTO
+    return human_readable_int(value)
+
+
 def json_object(value: str) -> dict:
     """argparse type: a JSON object."""
     try:
@@ -91,8 +100,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "(none), or a directory holding a generation_config.json")
     parser.add_argument("--override-generation-config", type=json_object, default=None,
                         help='generation config keys on top of --generation-config, e.g. \'{"temperature": 0.5}\'')
-    parser.add_argument("--max-model-len", type=human_readable_int, default=None,
-                        help="e.g. 32768, 32k (32000) or 32K (32768), as vLLM reads it")
+    parser.add_argument("--max-model-len", type=max_model_len_flag, default=None,
+                        help="e.g. 32768, 32k (32000) or 32K (32768), as vLLM reads it; auto (or -1): the longest "
+                             "context the KV cache holds, at most the model's")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
                         help="e.g. 8192 or 8K, as vLLM reads it")

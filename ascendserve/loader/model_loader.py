@@ -8,7 +8,7 @@ import pickle
 import torch
 from safetensors import safe_open
 
-from ascendserve.config import EngineArgs, EngineConfig
+from ascendserve.config import MAX_MODEL_LEN_AUTO, EngineArgs, EngineConfig
 from ascendserve.layers.rotary import cover_positions, position_limit
 from ascendserve.loader.resolve import PYTORCH_BIN_PATTERN, SAFETENSORS_PATTERN
 from ascendserve.logger import init_logger
@@ -159,7 +159,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     supported_architecture(getattr(hf_config, "architectures", None))  # before the tokenizer loads: its error misleads
     text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
     dtype = _resolve_dtype(args.dtype, hf_config, text_config, platform)
-    max_model_len = _resolve_max_model_len(args.max_model_len, text_config)
+    auto = args.max_model_len == MAX_MODEL_LEN_AUTO  # the model's length for now; plan_kv_cache fits it
+    max_model_len = _resolve_max_model_len(None if auto else args.max_model_len, text_config)
     budget = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else max_model_len)
     if not args.enable_chunked_prefill and budget < max_model_len:
         raise ValueError(f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
@@ -178,7 +179,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                         enable_prefix_caching=_resolve_prefix_caching(args.enable_prefix_caching, text_config),
                         device=platform.device(), platform=platform, served_model_name=served,
                         kv_cache_dtype=kv_cache_dtype, conv_state_dtype=conv_state_dtype,
-                        ssm_state_dtype=ssm_state_dtype)
+                        ssm_state_dtype=ssm_state_dtype, max_model_len_auto=auto)
 
 
 def _check_quantization_device(args: EngineArgs, platform) -> None:

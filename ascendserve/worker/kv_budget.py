@@ -71,6 +71,12 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
             source += " minus the state pool"
     if not source.endswith("default"):
         _check_fits_in_memory(config.platform, num_blocks * per_block + state_bytes, source)
+    if config.max_model_len_auto and 0 < num_blocks * args.block_size < config.max_model_len:
+        logger.warning("max_model_len auto: %d tokens, what the KV cache holds (the model allows %d)",
+                       num_blocks * args.block_size, config.max_model_len)
+        config.max_model_len = num_blocks * args.block_size
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:  # it was the model's length
+            config.max_num_batched_tokens = config.max_model_len
     needed = -(-config.max_model_len // args.block_size)
     logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %s (%s, %d layers); "
                 "%.1f requests of max_model_len %d fit at once%s", source, num_blocks, args.block_size,

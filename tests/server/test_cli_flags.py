@@ -173,6 +173,7 @@ def test_bad_flag_types_are_argparse_errors(argv, message, capsys):
 
 
 @pytest.mark.parametrize("flag, text, value", [("--max-num-batched-tokens", "8K", 8192),
+                                                ("--max-model-len", "auto", -1), ("--max-model-len", "-1", -1),
                                                 ("--kv-cache-memory-bytes", "4G", 4 * 2**30),
                                                 ("--kv-cache-memory-bytes", "1.5g", 1_500_000_000)])
 def test_vllms_human_readable_sizes(started, flag, text, value):

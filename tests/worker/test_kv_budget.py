@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from ascendserve import LLM
+from ascendserve import LLM, SamplingParams
 from ascendserve.platforms.cpu import CpuPlatform
 from tests.models.llama_tiny import build_llama
 
@@ -62,3 +62,20 @@ def test_a_pool_larger_than_the_free_memory_is_refused_before_allocating(llama, 
     with pytest.raises(ValueError, match=rf"the KV cache asked for \({source}\) takes \d+\.\d\d GiB, more than the "
                                          r"8.00 GiB of cpu memory free now, after the weights; give it less"):
         _llm(llama, **kwargs)
+
+
+@pytest.mark.parametrize("value", ["auto", -1])
+def test_max_model_len_auto_is_what_the_cache_holds(llama, caplog, value):
+    """vLLM's `--max-model-len auto`: the model's 512 positions, cut to the 10 blocks' 160 tokens the cache holds
+    (a fixed 512 is the 'KV cache holds 10 blocks' error)."""
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(llama, skip_tokenizer_init=True, dtype="float32", max_model_len=value, num_gpu_blocks_override=10)
+    assert llm.llm_engine.config.max_model_len == 160
+    assert "max_model_len auto: 160 tokens, what the KV cache holds (the model allows 512)" in caplog.text
+    out = llm.generate({"prompt_token_ids": list(range(1, 150))}, SamplingParams(max_tokens=20, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) <= 160
+    big = LLM(llama, skip_tokenizer_init=True, dtype="float32", max_model_len=value, num_gpu_blocks_override=64)
+    assert big.llm_engine.config.max_model_len == 512  # the model's own limit when the cache holds more
+    with pytest.raises(ValueError, match="holds 10 blocks"):
+        LLM(llama, skip_tokenizer_init=True, dtype="float32", max_model_len=512, num_gpu_blocks_override=10)
