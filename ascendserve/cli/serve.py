@@ -83,6 +83,94 @@ NO_EFFECT_FLAGS = {
                                                        "(--enable-log-requests)"),
     "--otlp-traces-endpoint": ({}, "OpenTelemetry tracing is not implemented"),
     "--collect-detailed-traces": ({}, "OpenTelemetry tracing is not implemented"),
+    # the rest of vLLM's engine flags: parallelism, memory and scheduler tunables with one setting here
+    "--decode-context-parallel-size": ({"type": int}, "context parallelism is not implemented"),
+    "--prefill-context-parallel-size": ({"type": int}, "context parallelism is not implemented"),
+    "--data-parallel-backend": ({}, "data parallelism is not implemented"),
+    "--data-parallel-hybrid-lb": ({"action": "store_true"}, "data parallelism is not implemented"),
+    "--data-parallel-external-lb": ({"action": "store_true"}, "data parallelism is not implemented"),
+    "--enable-multimodal-encoder-data-parallel": ({"action": "store_true"}, "multimodal input is not implemented"),
+    "--disable-custom-all-reduce": ({"action": "store_true"}, "one device: there is no all-reduce"),
+    "--all2all-backend": ({}, "expert parallelism is not implemented"),
+    "--enable-eplb": ({"action": "store_true"}, "expert parallelism is not implemented"),
+    "--eplb-config": ({"type": None}, "expert parallelism is not implemented"),
+    "--expert-placement-strategy": ({}, "expert parallelism is not implemented"),
+    "--enable-dbo": ({"action": "store_true"}, "dual-batch overlap needs expert parallelism"),
+    "--enable-return-routed-experts": ({"action": "store_true"}, "responses carry no routed experts"),
+    "--swap-space": ({"type": float}, "a preempted request is recomputed, never swapped"),
+    "--cpu-offload-gb": ({"type": float}, "weights are not offloaded"),
+    "--kv-offloading-size": ({"type": float}, "the KV cache is not offloaded"),
+    "--kv-offloading-backend": ({}, "the KV cache is not offloaded"),
+    "--kv-transfer-config": ({"type": None}, "disaggregated prefill (KV transfer) is not implemented"),
+    "--kv-events-config": ({"type": None}, "KV cache events are not published"),
+    "--kv-sharing-fast-prefill": ({"action": "store_true"}, "no model here shares KV across layers"),
+    "--calculate-kv-scales": ({"action": "store_true"}, "fp8 KV caches are not implemented"),
+    "--prefix-caching-hash-algo": ({}, "prefix-cache blocks are keyed by their token ids"),
+    "--mamba-block-size": ({"type": int}, "recurrent states are kept per request, not per block"),
+    "--gdn-prefill-backend": ({}, "one Gated DeltaNet prefill implementation per platform"),
+    "--disable-sliding-window": ({"action": "store_true"}, "no supported model has sliding-window layers"),
+    "--disable-cascade-attn": ({"action": "store_true"}, "there is no cascade attention"),
+    "--max-num-partial-prefills": ({"type": int}, "the scheduler prefills in FCFS order within the token budget"),
+    "--max-long-partial-prefills": ({"type": int}, "the scheduler prefills in FCFS order within the token budget"),
+    "--long-prefill-token-threshold": ({"type": int}, "the scheduler prefills in FCFS order within the token budget"),
+    "--scheduling-policy": ({}, "the scheduler is first come, first served"),
+    "--stream-interval": ({"type": int}, "a stream sends every token as it is made"),
+    "--logprobs-mode": ({}, "logprobs are of the raw model output (vLLM's default, raw_logprobs)"),
+    "--optimization-level": ({"type": int, "aliases": ["-O"]}, "what torch.compile covers is fixed (compilation.py); "
+                                                               "CUDA graphs follow --compilation-config"),
+    "--cuda-graph-sizes": ({"type": int, "nargs": "+"}, "decode graphs take --compilation-config "
+                                                        "'{\"cudagraph_capture_sizes\": [...]}'"),
+    "--max-cudagraph-capture-size": ({"type": int}, "decode graphs take --compilation-config "
+                                                    "'{\"cudagraph_capture_sizes\": [...]}'"),
+    "--enable-sleep-mode": ({"action": "store_true"}, "there are no /sleep and /wake_up endpoints"),
+    "--safetensors-load-strategy": ({}, "safetensors files are read one after the other"),
+    "--max-parallel-loading-workers": ({"type": int}, "safetensors files are read one after the other"),
+    "--pt-load-map-location": ({}, ".bin weights are loaded onto the CPU, then moved"),
+    "--model-loader-extra-config": ({"type": None}, "one loader reads every checkpoint"),
+    "--ignore-patterns": ({"nargs": "+"}, "a download fetches the model's config, tokenizer and weight files"),
+    "--allow-deprecated-quantization": ({"action": "store_true"}, "quantized checkpoints are not supported"),
+    "--enable-lora": ({"action": "store_true"}, "LoRA adapters are not implemented"),
+    "--lora-modules": ({"nargs": "+"}, "LoRA adapters are not implemented; a request naming one gets a 404"),
+    "--max-loras": ({"type": int}, "LoRA adapters are not implemented"),
+    "--max-lora-rank": ({"type": int}, "LoRA adapters are not implemented"),
+    "--enable-prompt-embeds": ({"action": "store_true"}, "prompt embeddings are not taken"),
+    "--logits-processors": ({"nargs": "+"}, "custom logits processors are not loaded"),
+    "--reasoning-parser-plugin": ({}, "parser plugins are not loaded; the built-in reasoning parsers are listed by "
+                                      "--reasoning-parser"),
+    "--io-processor-plugin": ({}, "IO processor plugins are not loaded"),
+    "--enable-tokenizer-info-endpoint": ({"action": "store_true"}, "there is no /tokenizer_info endpoint"),
+    "--enable-log-deltas": ({"action": "store_true"}, "responses are not logged"),
+    "--log-error-stack": ({"action": "store_true"}, "a failed request's stack is logged at debug level"),
+    "--tokens-only": ({"action": "store_true"}, "the OpenAI endpoints are always served"),
+    "--h11-max-incomplete-event-size": ({"type": int}, "uvicorn's h11 defaults are kept"),
+    "--h11-max-header-count": ({"type": int}, "uvicorn's h11 defaults are kept"),
+    "--runner": ({}, "this engine runs generative models only"),
+    "--convert": ({}, "this engine runs generative models only"),
+    # vLLM V0 flags its V1 removed: still on older command lines
+    "--enable-reasoning": ({"action": "store_true"}, "--reasoning-parser alone turns reasoning parsing on (vLLM "
+                                                     "removed this flag)"),
+    "--num-scheduler-steps": ({"type": int}, "vLLM V1 removed multi-step scheduling"),
+    "--preemption-mode": ({}, "a preempted request is recomputed (vLLM V1 removed this flag)"),
+    "--use-v2-block-manager": ({"action": "store_true"}, "vLLM V1 removed this flag"),
+    "--tokenizer-pool-size": ({"type": int}, "vLLM V1 removed this flag"),
+    "--max-seq-len-to-capture": ({"type": int}, "decode graphs cover max_model_len"),
+    "--task": ({}, "this engine runs generative models only (vLLM replaced --task with --runner)"),
+}
+# Values of those flags that ask for what this engine does anyway: no warning.
+NO_EFFECT_QUIET_VALUES = {
+    "--data-parallel-size": (1,), "--data-parallel-size-local": (1,), "--decode-context-parallel-size": (1,),
+    "--prefill-context-parallel-size": (1,), "--scheduling-policy": ("fcfs",), "--stream-interval": (1,),
+    "--logprobs-mode": ("raw_logprobs",), "--runner": ("auto", "generate"), "--convert": ("auto", "none"),
+    "--task": ("auto", "generate"), "--swap-space": (0,), "--cpu-offload-gb": (0,), "--num-scheduler-steps": (1,),
+    "--preemption-mode": ("recompute",),
+}
+# vLLM flags that would change what the model computes, removed from vLLM or not: an error saying what to use.
+REFUSED_FLAGS = {
+    "--rope-scaling": "vLLM removed it: give the rope parameters with --hf-overrides, e.g. --hf-overrides "
+                      "'{\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                      "\"original_max_position_embeddings\": 262144}}' (under \"text_config\" for Qwen3.5)",
+    "--rope-theta": "vLLM removed it: give it with --hf-overrides, e.g. --hf-overrides "
+                    "'{\"rope_parameters\": {\"rope_theta\": 10000000}}'",
 }
 
 
@@ -196,7 +284,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
         kwargs = dict(kwargs)
         if kwargs.get("type", 0) is None:
             kwargs["type"] = _json_flag(flag)
-        p.add_argument(flag, default=None, **kwargs)
+        p.add_argument(flag, *kwargs.pop("aliases", ()), default=None, **kwargs)
+    for flag in REFUSED_FLAGS:
+        p.add_argument(flag, default=None, help=argparse.SUPPRESS)
 
 
 def warn_no_effect_flags(ns: argparse.Namespace) -> list[str]:
@@ -204,7 +294,7 @@ def warn_no_effect_flags(ns: argparse.Namespace) -> list[str]:
     warned = []
     for flag, (_, why) in NO_EFFECT_FLAGS.items():
         value = getattr(ns, flag.lstrip("-").replace("-", "_"))
-        if value is None or value is False or (flag.startswith("--data-parallel-size") and value == 1):
+        if value is None or value is False or value in NO_EFFECT_QUIET_VALUES.get(flag, ()):
             continue
         logger.warning("%s %s is accepted but has no effect: %s.", flag,
                        json.dumps(value) if not isinstance(value, str) else value, why)
@@ -249,6 +339,15 @@ def check_flags(ns: argparse.Namespace) -> None:
     from ascendserve.parsers.tool import get_tool_parser
 
     check_parallelism(ns.tensor_parallel_size, ns.pipeline_parallel_size)  # first: the one line a user must read
+    for flag, why in REFUSED_FLAGS.items():
+        if getattr(ns, flag.lstrip("-").replace("-", "_")) is not None:
+            raise ValueError(f"{flag} is not taken: {why}")
+    for flag, generative in (("--runner", ("auto", "generate")), ("--convert", ("auto", "none")),
+                             ("--task", ("auto", "generate"))):
+        value = getattr(ns, flag.lstrip("-").replace("-", "_"))
+        if value is not None and value not in generative:
+            raise ValueError(f"{flag} {value}: this engine runs generative models only (pooling, embedding and "
+                             f"scoring models are not implemented); {flag} may be {' or '.join(generative)}")
     forced_gemm()  # the CPU linears' environment switches: an unknown value stops here, not mid-load
     forced_bf16_large_batches()
     max_n_sequences()  # the environment's other numbers: read once now, so a typo is not a 400 on every request

@@ -129,6 +129,43 @@ def test_vllm_multimodal_flags_parse(started, warnings):
                                        "--enable-mm-embeds"])
 
 
+def test_the_rest_of_vllms_engine_flags_parse(started, warnings):
+    """vLLM's parallelism, memory, scheduler, loader, LoRA and V0 flags: each warns once (they were 'unrecognized
+    arguments'); a value that asks for what this engine does anyway (fcfs, raw logprobs, the generate runner) does
+    not warn."""
+    noisy = ("--decode-context-parallel-size 2 --data-parallel-backend ray --disable-custom-all-reduce --enable-eplb "
+             "--eplb-config '{\"window_size\": 1000}' --swap-space 4 --cpu-offload-gb 2 --kv-transfer-config "
+             "'{\"kv_connector\": \"LMCacheConnectorV1\", \"kv_role\": \"kv_both\"}' --prefix-caching-hash-algo "
+             "sha256 --mamba-block-size 128 --max-num-partial-prefills 2 --long-prefill-token-threshold 512 "
+             "--scheduling-policy priority --stream-interval 4 -O3 --cuda-graph-sizes 1 2 4 --enable-sleep-mode "
+             "--safetensors-load-strategy lazy --ignore-patterns original/* --enable-lora --lora-modules a=/x "
+             "--max-loras 2 --logits-processors pkg:Cls --reasoning-parser-plugin /x.py --enable-reasoning "
+             "--num-scheduler-steps 8 --preemption-mode swap --h11-max-header-count 64")
+    quiet = ("--prefill-context-parallel-size 1 --scheduling-policy fcfs --stream-interval 1 --logprobs-mode "
+             "raw_logprobs --runner generate --convert none --task generate --swap-space 0")
+    assert main(["serve", *shlex.split(quiet)]) == 0 and not warnings
+    assert main(["serve", *shlex.split(noisy)]) == 0
+    ns = started["ns"]
+    assert ns.optimization_level == 3 and ns.cuda_graph_sizes == [1, 2, 4] and ns.lora_modules == ["a=/x"]
+    assert ns.kv_transfer_config == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    assert_warned_once_each(warnings, sorted({arg for arg in shlex.split(noisy) if arg.startswith("-")} - {"-O3"})
+                            + ["--optimization-level"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rope-scaling", '{"rope_type": "yarn", "factor": 4.0}'],
+     "--rope-scaling is not taken: vLLM removed it: give the rope parameters with --hf-overrides"),
+    (["--rope-theta", "1e6"], "--rope-theta is not taken"),
+    (["--runner", "pooling"], "--runner pooling: this engine runs generative models only"),
+    (["--convert", "embed"], "--convert embed: this engine runs generative models only"),
+    (["--task", "embed"], "--task may be auto or generate"),
+])
+def test_flags_that_would_change_the_model_are_refused(started, capsys, argv, message):
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not started
+
+
 def test_vllm_loading_flags_parse(started, warnings, monkeypatch):
     """The loading flags of vLLM command lines: the generation-config pair, --hf-token and a human-readable
     --max-model-len act; the rest warn once each (the token itself is never logged)."""
