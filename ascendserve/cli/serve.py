@@ -105,7 +105,8 @@ NO_EFFECT_FLAGS = {
     "--kv-events-config": ({"type": None}, "KV cache events are not published"),
     "--kv-sharing-fast-prefill": ({"action": "store_true"}, "no model here shares KV across layers"),
     "--calculate-kv-scales": ({"action": "store_true"}, "fp8 KV caches are not implemented"),
-    "--prefix-caching-hash-algo": ({}, "prefix-cache blocks are keyed by their token ids"),
+    "--prefix-caching-hash-algo": ({}, "prefix-cache blocks are keyed by a chained blake2b of their tokens (and "
+                                           "matched by the tokens too)"),
     "--mamba-block-size": ({"type": int}, "recurrent states are kept per request, not per block"),
     "--gdn-prefill-backend": ({}, "one Gated DeltaNet prefill implementation per platform"),
     "--disable-sliding-window": ({"action": "store_true"}, "no supported model has sliding-window layers"),
