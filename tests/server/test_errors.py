@@ -27,6 +27,16 @@ def http(server):
         yield client
 
 
+@pytest.mark.parametrize("path, contains", [
+    ("/v1/responses", "the Responses API is not implemented; use /v1/chat/completions"),
+    ("/v1/embeddings", "pooling models (embeddings, classification, scores) are not implemented"),
+    ("/v1/audio/transcriptions", "speech models are not implemented"),
+    ("/v1/nothing", "Not Found"),  # a path vLLM does not serve either: plain
+])
+def test_vllms_other_endpoints_say_they_are_not_served(http, path, contains):
+    check_error(http.post(path, json={"model": MODEL, "input": "hi"}), 404, contains=(contains,))
+
+
 def test_invalid_json(http):
     r = http.post("/v1/chat/completions", content=b'{"messages": [', headers={"Content-Type": "application/json"})
     check_error(r, 400, contains=("Invalid JSON",))

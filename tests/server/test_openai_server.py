@@ -31,6 +31,11 @@ def test_health_version_models(server):
     assert httpx.get(server.url + "/version").json()["version"]
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["demo", "demo-alias"]
+    card = server.client().models.retrieve("demo-alias")  # GET /v1/models/{model}: was a 404 for every name
+    assert (card.id, card.owned_by, card.root, card.max_model_len) == (
+        "demo-alias", models.data[1].owned_by, models.data[1].root, models.data[1].max_model_len)
+    with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
+        server.client().models.retrieve("nope")
     assert httpx.get(server.url + "/ping").status_code == httpx.post(server.url + "/ping").status_code == 200
 
 

@@ -91,6 +91,10 @@ def build_app(engine, models: ServingModels, options: ServerOptions, *, metrics=
     async def list_models():
         return models.list_models()
 
+    @app.get("/v1/models/{model:path}")  # a served name may hold slashes (Qwen/Qwen3.5-27B)
+    async def retrieve_model(model: str):
+        return models.retrieve_model(model)
+
     @app.get("/metrics")
     async def get_metrics():
         if metrics is None:

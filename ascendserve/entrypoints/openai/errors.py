@@ -113,6 +113,37 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# vLLM's endpoints this server does not have, by path prefix: a 404 that says so, and what to use, rather than
+# "Not Found", which reads like a wrong URL or --root-path.
+UNSERVED_ENDPOINTS = {
+    "/v1/responses": "the Responses API is not implemented; use /v1/chat/completions (the same messages, tools and "
+                     "reasoning)",
+    "/v1/embeddings": "pooling models (embeddings, classification, scores) are not implemented; this server generates",
+    "/pooling": "pooling models are not implemented; this server generates",
+    "/classify": "pooling models are not implemented; this server generates",
+    "/v1/classify": "pooling models are not implemented; this server generates",
+    "/score": "pooling models are not implemented; this server generates",
+    "/v1/score": "pooling models are not implemented; this server generates",
+    "/rerank": "pooling models are not implemented; this server generates",
+    "/v1/rerank": "pooling models are not implemented; this server generates",
+    "/v2/rerank": "pooling models are not implemented; this server generates",
+    "/v1/audio": "speech models are not implemented",
+    "/v1/load_lora_adapter": "LoRA adapters are not implemented",
+    "/v1/unload_lora_adapter": "LoRA adapters are not implemented",
+    "/sleep": "sleep mode is not implemented",
+    "/wake_up": "sleep mode is not implemented",
+    "/is_sleeping": "sleep mode is not implemented",
+    "/tokenizer_info": "the tokenizer-info endpoint is not implemented; /tokenize and /detokenize are served",
+}
+
+
+def _unserved_endpoint(path: str) -> str | None:
+    for prefix, why in UNSERVED_ENDPOINTS.items():
+        if path == prefix or path.startswith(prefix + "/") or path.endswith(prefix):  # endswith: under a root path
+            return why
+    return None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map OpenAIError, validation errors, HTTP errors and unexpected exceptions to OpenAI bodies."""
 
@@ -126,8 +157,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(message, 400, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        return error_response(str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None))
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = str(exc.detail)
+        if exc.status_code == 404 and (why := _unserved_endpoint(request.url.path)):
+            message = f"{request.url.path} is not served here: {why}"
+        return error_response(message, exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

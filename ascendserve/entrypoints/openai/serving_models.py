@@ -25,5 +25,13 @@ class ServingModels:
 
     def list_models(self) -> ModelList:
         """GET /v1/models."""
-        return ModelList(data=[ModelCard(id=name, root=self.root, max_model_len=self.max_model_len,
-                                         permission=[ModelPermission()]) for name in self.names])
+        return ModelList(data=[self._card(name) for name in self.names])
+
+    def retrieve_model(self, name: str) -> ModelCard:
+        """GET /v1/models/{model} (OpenAI's `client.models.retrieve`): its card, or a 404 naming it."""
+        if name not in self.names:
+            raise OpenAIError(f"The model `{name}` does not exist.", 404, param="model")
+        return self._card(name)
+
+    def _card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, root=self.root, max_model_len=self.max_model_len, permission=[ModelPermission()])
