@@ -141,7 +141,8 @@ NO_EFFECT_FLAGS = {
     "--io-processor-plugin": ({}, "IO processor plugins are not loaded"),
     "--enable-tokenizer-info-endpoint": ({"action": "store_true"}, "there is no /tokenizer_info endpoint"),
     "--enable-log-deltas": ({"action": "store_true"}, "responses are not logged"),
-    "--log-error-stack": ({"action": "store_true"}, "a failed request's stack is logged at debug level"),
+    "--log-error-stack": ({"action": "store_true"}, "an unexpected error's stack is always logged; a request's "
+                                                      "own error (a 4xx) is not"),
     "--tokens-only": ({"action": "store_true"}, "the OpenAI endpoints are always served"),
     "--h11-max-incomplete-event-size": ({"type": int}, "uvicorn's h11 defaults are kept"),
     "--h11-max-header-count": ({"type": int}, "uvicorn's h11 defaults are kept"),

@@ -63,6 +63,8 @@ def _explain_unknown_model_type(path: str, error: ValueError) -> None:
     """transformers' 'does not recognize this architecture' (its advice: upgrade transformers) said in this engine's
     terms: a model this engine does not run is named with the architectures it does; only for one it runs is a newer
     transformers the fix. Returns (the caller re-raises) for any other error."""
+    import transformers
+
     from ascendserve.models.registry import supported_architectures
 
     text = str(error)
@@ -74,7 +76,6 @@ def _explain_unknown_model_type(path: str, error: ValueError) -> None:
     except (OSError, ValueError):
         return
     model_type, architectures = raw.get("model_type"), raw.get("architectures")
-    import transformers
     if set(architectures or []) & set(supported_architectures()):
         raise ValueError(f"the model at {path} is a {architectures[0]} (model_type {model_type!r}), which the "
                          f"installed transformers {transformers.__version__} cannot read: pip install -U "
