@@ -336,7 +336,7 @@ def check_flags(ns: argparse.Namespace) -> None:
     from ascendserve.engine.sampling_params import max_n_sequences
     from ascendserve.layers.compact_linear import forced_bf16_large_batches
     from ascendserve.layers.linear import forced_gemm
-    from ascendserve.platforms.cpu import kv_cache_space_bytes
+    from ascendserve.platforms.cpu import kv_cache_space_bytes, omp_threads_bind
     from ascendserve.parsers.reasoning import get_reasoning_parser
     from ascendserve.parsers.tool import get_tool_parser
 
@@ -354,6 +354,7 @@ def check_flags(ns: argparse.Namespace) -> None:
     forced_bf16_large_batches()
     max_n_sequences()  # the environment's other numbers: read once now, so a typo is not a 400 on every request
     kv_cache_space_bytes()  # (and not an error after the weights have loaded)
+    omp_threads_bind()
     if not ns.disable_log_stats:
         log_stats_interval()
 

@@ -41,6 +41,9 @@ class LLMEngine:
         # gets its own OpenMP team, and with more OpenMP threads than cores libgomp stops spinning
         # between regions, which made a server's decode step 1.5x slower on 2 cores.
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="ascendserve-model")
+        if getattr(config.platform, "name", None) == "cpu":
+            from ascendserve.platforms.cpu import bind_model_thread
+            self._model_thread.submit(bind_model_thread).result()  # VLLM_CPU_OMP_THREADS_BIND, before any torch op
         # SamplingParams fields a request without them gets (the checkpoint's generation_config.json, vLLM's)
         self.default_sampling_params = default_sampling_params(config.model_path, config.args.generation_config,
                                                                config.args.override_generation_config)

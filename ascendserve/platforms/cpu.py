@@ -19,6 +19,59 @@ CPU_KV_CACHE_MAX_BYTES = 4 << 30
 KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 
+# vLLM's CPU backend binds its OpenMP threads to the cores this variable lists ("0-31", "0-3,8"; one group per
+# tensor-parallel rank, split by "|"); "auto" (its default: a NUMA node's cores) and "nobind" leave torch's default.
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def omp_threads_bind() -> list[int] | None:
+    """The cores VLLM_CPU_OMP_THREADS_BIND names (None: unset, auto or nobind); ValueError for a list that does not
+    parse or names a core this process may not run on."""
+    value = os.environ.get(THREADS_BIND_ENV, "").strip()
+    if value in ("", "auto", "nobind"):
+        return None
+    group = value.split("|")[0]  # one rank runs the model: the first group
+    cpus: set[int] = set()
+    try:
+        for item in group.split(","):
+            first, dash, last = item.strip().partition("-")
+            cpus.update(range(int(first), int(last if dash else first) + 1))
+    except ValueError:
+        cpus = set()
+    if not cpus:
+        raise ValueError(f"{THREADS_BIND_ENV} must list cores such as 0-31 or 0-3,8 (or be auto / nobind), got "
+                         f"{value!r}")
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else cpus
+    if not cpus <= allowed:
+        raise ValueError(f"{THREADS_BIND_ENV}={value!r} names cores {sorted(cpus - allowed)} this process may not run "
+                         f"on (it may run on {_ranges(sorted(allowed))})")
+    return sorted(cpus)
+
+
+def bind_model_thread() -> list[int] | None:
+    """On the model thread, before its first torch op: pin it (and so the OpenMP threads it starts) to the cores
+    VLLM_CPU_OMP_THREADS_BIND names, one OpenMP thread per core, as vLLM's CPU worker does; the API server's threads
+    stay unpinned. Returns the cores, None when nothing is bound."""
+    cpus = omp_threads_bind()
+    if cpus is None:
+        return None
+    os.sched_setaffinity(0, cpus)  # 0: the calling thread
+    torch.set_num_threads(len(cpus))
+    logger.info("Model thread bound to cores %s (%s), %d OpenMP threads", _ranges(cpus), THREADS_BIND_ENV, len(cpus))
+    return cpus
+
+
+def _ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], None
+    for i, cpu in enumerate(cpus):
+        start = cpu if start is None else start
+        if i + 1 == len(cpus) or cpus[i + 1] != cpu + 1:
+            out.append(f"{start}-{cpu}" if cpu != start else str(cpu))
+            start = None
+    return ",".join(out)
+
+
 def kv_cache_space_bytes() -> int | None:
     """VLLM_CPU_KVCACHE_SPACE in bytes (GiB as vLLM reads it; None when unset or 0); ValueError for a value that is
     not a number of GiB at or above 0."""

@@ -297,6 +297,7 @@ def test_bad_kernel_environment_stops_before_loading(started, capsys, monkeypatc
     ("VLLM_MAX_N_SEQUENCES", "abc", "VLLM_MAX_N_SEQUENCES must be a positive integer"),
     ("VLLM_MAX_N_SEQUENCES", "0", "VLLM_MAX_N_SEQUENCES must be a positive integer"),
     ("VLLM_CPU_KVCACHE_SPACE", "40G", "VLLM_CPU_KVCACHE_SPACE must be the KV cache size in GiB"),
+    ("VLLM_CPU_OMP_THREADS_BIND", "0-3;4-7", "VLLM_CPU_OMP_THREADS_BIND must list cores such as 0-31"),
 ])
 def test_bad_vllm_environment_stops_before_loading(started, capsys, monkeypatch, env, value, message):
     monkeypatch.setenv(env, value)
