@@ -69,7 +69,7 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
         num_blocks = max((budget - state_bytes) // per_block, 0)
         if state_bytes:
             source += " minus the state pool"
-    if not source.endswith("default"):
+    if "default" not in source:  # a size the user gave (the defaults are shares of the free memory)
         _check_fits_in_memory(config.platform, num_blocks * per_block + state_bytes, source)
     if config.max_model_len_auto and 0 < num_blocks * args.block_size < config.max_model_len:
         logger.warning("max_model_len auto: %d tokens, what the KV cache holds (the model allows %d)",
