@@ -90,11 +90,16 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     d = EngineArgs()
     parser.add_argument("--tokenizer", default=None, help="tokenizer path or repo id (default: the model's)")
     parser.add_argument("--tokenizer-revision", default=None, help="revision of a --tokenizer repo id")
-    parser.add_argument("--skip-tokenizer-init", action="store_true")
-    parser.add_argument("--trust-remote-code", action="store_true")
-    parser.add_argument("--revision", default=None)
-    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="load no tokenizer: prompts must be token ids, outputs are token ids")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let transformers run a checkpoint's own config / tokenizer code")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit of a model repo id")
+    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+                        help="weights and activations; auto: the checkpoint's, except that a 16-bit one runs in "
+                             "float32 on a CPU without fast bf16 (AMX, or Zen 4/5 AVX512-BF16) and a float32 one in "
+                             "bfloat16 on a GPU / NPU")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the sampling generator")
     parser.add_argument("--generation-config", default=d.generation_config,
                         help="default sampling parameters: auto (the checkpoint's generation_config.json), vllm "
                              "(none), or a directory holding a generation_config.json")
@@ -103,17 +108,25 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=max_model_len_flag, default=None,
                         help="e.g. 32768, 32k (32000) or 32K (32768), as vLLM reads it; auto (or -1): the longest "
                              "context the KV cache holds, at most the model's")
-    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="most sequences running at once (default 256; fewer for a hybrid model when its "
+                             "recurrent states would take more than half the cache)")
     parser.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
                         help="e.g. 8192 or 8K, as vLLM reads it")
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="split long prompts into --max-num-batched-tokens chunks, mixed with decodes")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse the KV blocks of a shared prompt prefix (default on; off for hybrid models)")
+    parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                        help="share of GPU / NPU memory for weights and caches; no effect on a CPU (see "
+                             "VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                        help="the number of KV cache blocks, whatever the memory")
     parser.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
                         help="e.g. 4G (4 GiB) or 4g (4 GB), as vLLM reads it")
-    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no torch.compile and no CUDA graphs: every step runs eagerly")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                         help="schedule and prepare step N+1 while step N computes")
     parser.add_argument("--arrival-window-ms", type=float, default=d.arrival_window_ms,
@@ -123,7 +136,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                         help="1: the model runs on one device (parallelism is not implemented yet)")
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1, as --tensor-parallel-size")
-    parser.add_argument("--device", default=d.device)
+    parser.add_argument("--device", default=d.device,
+                        help="auto (an NPU, else a GPU, else the CPU), npu, cuda or cpu")
     parser.add_argument("--quantization", "-q", default=None,
                         help=f"weight-only quantization applied at load, one of {list(QUANTIZATION_METHODS)} "
                              f"(not bit-exact)")
