@@ -199,6 +199,11 @@ def _list_flag(value: str) -> list[str]:
     return [value]
 
 
+def _flag_value(ns: argparse.Namespace, flag: str):
+    """The parsed value of `--some-flag` (argparse's dest: some_flag)."""
+    return getattr(ns, flag.lstrip("-").replace("-", "_"))
+
+
 def _port(value: str) -> int:
     """argparse type: a TCP port, 0 to 65535."""
     try:
@@ -295,7 +300,7 @@ def warn_no_effect_flags(ns: argparse.Namespace) -> list[str]:
     """One warning per inert flag the user set; returns the flags warned about."""
     warned = []
     for flag, (_, why) in NO_EFFECT_FLAGS.items():
-        value = getattr(ns, flag.lstrip("-").replace("-", "_"))
+        value = _flag_value(ns, flag)
         if value is None or value is False or value in NO_EFFECT_QUIET_VALUES.get(flag, ()):
             continue
         logger.warning("%s %s is accepted but has no effect: %s.", flag,
@@ -342,11 +347,10 @@ def check_flags(ns: argparse.Namespace) -> None:
 
     check_parallelism(ns.tensor_parallel_size, ns.pipeline_parallel_size)  # first: the one line a user must read
     for flag, why in REFUSED_FLAGS.items():
-        if getattr(ns, flag.lstrip("-").replace("-", "_")) is not None:
+        if _flag_value(ns, flag) is not None:
             raise ValueError(f"{flag} is not taken: {why}")
-    for flag, generative in (("--runner", ("auto", "generate")), ("--convert", ("auto", "none")),
-                             ("--task", ("auto", "generate"))):
-        value = getattr(ns, flag.lstrip("-").replace("-", "_"))
+    for flag in ("--runner", "--convert", "--task"):
+        value, generative = _flag_value(ns, flag), NO_EFFECT_QUIET_VALUES[flag]
         if value is not None and value not in generative:
             raise ValueError(f"{flag} {value}: this engine runs generative models only (pooling, embedding and "
                              f"scoring models are not implemented); {flag} may be {' or '.join(generative)}")
@@ -355,15 +359,14 @@ def check_flags(ns: argparse.Namespace) -> None:
     max_n_sequences()  # the environment's other numbers: read once now, so a typo is not a 400 on every request
     kv_cache_space_bytes()  # (and not an error after the weights have loaded)
     omp_threads_bind()
-    if not ns.disable_log_stats:
-        log_stats_interval()
+    ns.log_stats_interval = None if ns.disable_log_stats else log_stats_interval()  # read once: serve() takes it
 
     if ns.reasoning_parser:
         get_reasoning_parser(ns.reasoning_parser)
     if ns.tool_call_parser:
         get_tool_parser(ns.tool_call_parser)
     for flag, example in JSON_FLAG_EXAMPLES.items():
-        value = getattr(ns, flag.lstrip("-").replace("-", "_"))
+        value = _flag_value(ns, flag)
         if value is not None and not isinstance(value, dict):
             raise ValueError(f"{flag} must be a JSON object, got {json.dumps(value)}; example: {flag} {example}")
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
@@ -536,7 +539,6 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None, sock) -> None
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
         enable_force_include_usage=ns.enable_force_include_usage,
         default_sampling_params=engine.default_sampling_params)
-    interval = None if ns.disable_log_stats else log_stats_interval()
     cors = {"allowed_origins": _flat(ns.allowed_origins), "allowed_methods": _flat(ns.allowed_methods),
             "allowed_headers": _flat(ns.allowed_headers), "allow_credentials": ns.allow_credentials}
     frontend = FrontendOptions(docs=not ns.disable_fastapi_docs, request_id_headers=ns.enable_request_id_headers,
@@ -544,8 +546,8 @@ def serve(ns: argparse.Namespace, args, chat_template: str | None, sock) -> None
                                load_tracking=ns.enable_server_load_tracking, root_path=ns.root_path or "")
     app = build_app(async_llm, ServingModels(names, config.model_path, config.max_model_len), options,
                     metrics=metrics, api_keys=[ns.api_key] if ns.api_key else [], cors=cors,
-                    reasoning_parser_cls=reasoning_cls, tool_parser_cls=tool_cls, log_stats_interval=interval,
-                    frontend=frontend)
+                    reasoning_parser_cls=reasoning_cls, tool_parser_cls=tool_cls,
+                    log_stats_interval=ns.log_stats_interval, frontend=frontend)
     scheme = "https" if ns.ssl_certfile else "http"
     where = f"unix socket {ns.uds}" if ns.uds else f"{scheme}://{ns.host}:{ns.port}{ns.root_path or ''}"
     logger.info("Serving %s on %s (OpenAI API under /v1)", names[0], where)

@@ -11,6 +11,9 @@ from ascendserve.platforms.npu import NpuPlatform, why_no_npu
 logger = init_logger(__name__)
 
 _PLATFORMS = {"cpu": CpuPlatform, "cuda": CudaPlatform, "npu": NpuPlatform}
+# Why an asked-for accelerator is absent when its stack is not even installed (why_no_npu / why_no_gpu say None then).
+_NOT_INSTALLED = {"npu": "torch_npu is not installed (Ascend NPUs run through torch_npu and CANN)",
+                  "cuda": "this torch is a CPU build"}
 
 
 def why_no_gpu() -> str | None:
@@ -41,11 +44,7 @@ def get_platform(device: str | None = None) -> Platform:
         raise ValueError(f"device must be one of {sorted(_PLATFORMS)} or 'auto', got {device!r}")
     platform = _PLATFORMS[name]()
     if not platform.is_available():
-        why = {"npu": why_no_npu, "cuda": why_no_gpu}.get(name, lambda: None)()
-        if name == "npu" and why is None:
-            why = "torch_npu is not installed (Ascend NPUs run through torch_npu and CANN)"
-        elif name == "cuda" and why is None:
-            why = "this torch is a CPU build"
+        why = (why_no_npu() if name == "npu" else why_no_gpu()) or _NOT_INSTALLED[name]
         raise ValueError(f"device {device!r} was requested but is not available in this process: {why}")
     return platform
 

@@ -36,8 +36,8 @@ def plan_kv_cache(config: EngineConfig, model: torch.nn.Module) -> int:
     if args.num_gpu_blocks_override is None:
         if args.kv_cache_memory_bytes is not None:
             budget, source = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-        elif on_cpu and kv_cache_space_bytes() is not None:
-            budget, source = kv_cache_space_bytes(), KV_CACHE_SPACE_ENV
+        elif on_cpu and (space := kv_cache_space_bytes()) is not None:
+            budget, source = space, KV_CACHE_SPACE_ENV
         else:
             if on_cpu and args.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
                 logger.warning("gpu_memory_utilization=%s has no effect on the CPU: its KV cache takes a quarter of "

@@ -315,6 +315,13 @@ def test_log_stats_interval_as_vllm_reads_it(monkeypatch, caplog, value, interva
     assert ("is not above 0" in caplog.text) == (value in ("0", "-1"))
 
 
+def test_the_stats_interval_is_read_once_at_start(started, monkeypatch, caplog):
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "-1")
+    assert main(["serve"]) == 0 and started["ns"].log_stats_interval == 10.0
+    assert caplog.text.count("is not above 0") == 1
+    assert main(["serve", "--disable-log-stats"]) == 0 and started["ns"].log_stats_interval is None
+
+
 def test_a_chat_template_file_is_compiled_at_start(started, capsys, tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text("{% for m in messages %}\n{{ m.content }}\n{% endfor %}\n{% if x %}")
