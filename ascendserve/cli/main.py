@@ -4,6 +4,8 @@ import argparse
 import importlib
 import sys
 
+from ascendserve.cli.config_file import config_arguments, normalize_flag_names
+
 # Each module defines `register(subparsers)`, which adds its subcommand and sets `func`.
 SUBCOMMANDS = ["ascendserve.cli.generate", "ascendserve.cli.serve", "ascendserve.cli.bench"]
 
@@ -33,8 +35,17 @@ def _mark_leaves(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """parse_args, with `unrecognized arguments` reported by the subcommand's own parser."""
+    """parse_args as vLLM's parser reads a command line (`--flag_name` with underscores; `serve --config FILE`,
+    whose flags go before the command line's so that those win), with `unrecognized arguments` reported by the
+    subcommand's own parser."""
+    argv = normalize_flag_names(sys.argv[1:] if argv is None else list(argv))
     args, unknown = parser.parse_known_args(argv)
+    path = getattr(args, "config_file", None)
+    if path is not None:
+        sub = args._parser
+        at = argv.index(args.command) + 1
+        argv = argv[:at] + config_arguments(sub, path, bool(args.model or args.model_tag)) + argv[at:]
+        args, unknown = parser.parse_known_args(argv)
     if unknown:
         getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     return args

@@ -221,6 +221,9 @@ def register(sub) -> None:
                        description="Start the OpenAI-compatible server (vLLM's `vllm serve` flags).")
     p.add_argument("model_tag", nargs="?", default=None, help="model path or repo id (default: the demo model)")
     p.add_argument("--model", default=None, help="same as the positional MODEL")
+    p.add_argument("--config", dest="config_file", default=None, metavar="FILE",
+                   help="a YAML file of flags (`max-model-len: 4096`, `enforce-eager: true`), as vLLM's; flags on "
+                        "the command line win over it")
     add_engine_flags(p)
     add_server_flags(p)
     p.set_defaults(func=run)
