@@ -25,6 +25,11 @@ JSON_FLAG_EXAMPLES = {
     "--hf-overrides": '\'{"max_position_embeddings":32768}\'',
     "--speculative-config": '\'{"method":"mtp","num_speculative_tokens":1}\'',
     "--default-chat-template-kwargs": '\'{"enable_thinking":false}\'',
+    "--pooler-config": '\'{"pooling_type":"LAST"}\'',
+    "--eplb-config": '\'{"window_size":1000}\'',
+    "--kv-transfer-config": '\'{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}\'',
+    "--kv-events-config": '\'{"enable_kv_cache_events":true}\'',
+    "--model-loader-extra-config": '\'{"enable_multithread_load":true}\'',
 }
 
 # Flags accepted for compatibility that change nothing in this engine: (argparse kwargs, why).
@@ -157,6 +162,17 @@ NO_EFFECT_FLAGS = {
     "--tokenizer-pool-size": ({"type": int}, "vLLM V1 removed this flag"),
     "--max-seq-len-to-capture": ({"type": int}, "decode graphs cover max_model_len"),
     "--task": ({}, "this engine runs generative models only (vLLM replaced --task with --runner)"),
+    "--num-lookahead-slots": ({"type": int}, "speculative decoding is not implemented"),
+    "--pooler-config": ({"type": None}, "this engine runs generative models only"),
+    "--scheduler-cls": ({}, "the built-in scheduler runs"),
+    "--worker-extension-cls": ({}, "workers are not extended"),
+    "--disable-hybrid-kv-cache-manager": ({"action": "store_true"}, "the KV blocks and the recurrent-state slots "
+                                                                    "have one manager each"),
+    "--disable-chunked-mm-input": ({"action": "store_true"}, "multimodal input is not implemented"),
+    "--ray-workers-use-nsight": ({"action": "store_true"}, "no Ray executor: one process runs the model"),
+    "--enable-ssl-refresh": ({"action": "store_true"}, "the TLS certificate files are read once, at start"),
+    "--tool-server": ({}, "built-in tools (the Responses API's) are not served"),
+    "--enable-offline-docs": ({"action": "store_true"}, "/docs loads its assets as FastAPI's default does"),
 }
 # Values of those flags that ask for what this engine does anyway: no warning.
 NO_EFFECT_QUIET_VALUES = {

@@ -140,7 +140,10 @@ def test_the_rest_of_vllms_engine_flags_parse(started, warnings):
              "--scheduling-policy priority --stream-interval 4 -O3 --cuda-graph-sizes 1 2 4 --enable-sleep-mode "
              "--safetensors-load-strategy lazy --ignore-patterns original/* --enable-lora --lora-modules a=/x "
              "--max-loras 2 --logits-processors pkg:Cls --reasoning-parser-plugin /x.py --enable-reasoning "
-             "--num-scheduler-steps 8 --preemption-mode swap --h11-max-header-count 64")
+             "--num-scheduler-steps 8 --preemption-mode swap --h11-max-header-count 64 --num-lookahead-slots 4 "
+             "--pooler-config '{\"pooling_type\": \"MEAN\"}' --scheduler-cls pkg.Sched --worker-extension-cls pkg.Ext "
+             "--disable-hybrid-kv-cache-manager --disable-chunked-mm-input --ray-workers-use-nsight "
+             "--enable-ssl-refresh --tool-server demo --enable-offline-docs")
     quiet = ("--prefill-context-parallel-size 1 --scheduling-policy fcfs --stream-interval 1 --logprobs-mode "
              "raw_logprobs --runner generate --convert none --task generate --swap-space 0")
     assert main(["serve", *shlex.split(quiet)]) == 0 and not warnings
@@ -148,6 +151,7 @@ def test_the_rest_of_vllms_engine_flags_parse(started, warnings):
     ns = started["ns"]
     assert ns.optimization_level == 3 and ns.cuda_graph_sizes == [1, 2, 4] and ns.lora_modules == ["a=/x"]
     assert ns.kv_transfer_config == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    assert ns.pooler_config == {"pooling_type": "MEAN"} and ns.num_lookahead_slots == 4
     assert_warned_once_each(warnings, sorted({arg for arg in shlex.split(noisy) if arg.startswith("-")} - {"-O3"})
                             + ["--optimization-level"])
 
@@ -189,8 +193,14 @@ def test_human_readable_max_model_len(text, value):
     assert human_readable_int(text) == value
 
 
-@pytest.mark.parametrize("flag", sorted(serve_cli.JSON_FLAG_EXAMPLES))
+JSON_FLAGS = sorted(set(serve_cli.JSON_FLAG_EXAMPLES)
+                    | {flag for flag, (kwargs, _) in serve_cli.NO_EFFECT_FLAGS.items() if kwargs.get("type", 0) is None})
+
+
+@pytest.mark.parametrize("flag", JSON_FLAGS)
 def test_bad_json_flag_stops_with_value_error_and_example(flag, capsys):
+    """Every JSON flag, the inert ones too (a bad --eplb-config or --kv-transfer-config was a KeyError traceback:
+    they had no example)."""
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["serve", flag, "{cudagraph_mode: FULL}"])
     assert info.value.code != 0
