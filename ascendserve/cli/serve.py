@@ -17,6 +17,8 @@ from ascendserve.logger import init_logger
 
 logger = init_logger(__name__)
 
+DEFAULT_HTTP_KEEP_ALIVE_S = 5.0  # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default (and uvicorn's)
+
 # JSON-valued flags and a correct example of each, shown when a value does not parse.
 JSON_FLAG_EXAMPLES = {
     "--compilation-config": '\'{"cudagraph_mode":"FULL_DECODE_ONLY"}\'',
@@ -355,6 +357,22 @@ def log_stats_interval() -> float:
     return interval
 
 
+def http_keep_alive_s() -> float:
+    """Seconds an idle HTTP keep-alive connection stays open: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, vLLM's 5 unless set;
+    ValueError naming it for a value that is no number of seconds >= 0."""
+    value = os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
+    if value is None:
+        return DEFAULT_HTTP_KEEP_ALIVE_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0:
+        raise ValueError(f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE must be a number of seconds >= 0 (how long an idle "
+                         f"keep-alive connection stays open; {DEFAULT_HTTP_KEEP_ALIVE_S:g} unless set), got {value!r}")
+    return seconds
+
+
 def check_flags(ns: argparse.Namespace) -> None:
     """Fail fast (before loading the model) on values that cannot work; raises ValueError."""
     from ascendserve.engine.sampling_params import max_n_sequences
@@ -379,6 +397,7 @@ def check_flags(ns: argparse.Namespace) -> None:
     kv_cache_space_bytes()  # (and not an error after the weights have loaded)
     omp_threads_bind()
     ns.log_stats_interval = None if ns.disable_log_stats else log_stats_interval()  # read once: serve() takes it
+    ns.http_keep_alive_s = http_keep_alive_s()
 
     if ns.reasoning_parser:
         get_reasoning_parser(ns.reasoning_parser)
@@ -523,7 +542,8 @@ def uvicorn_config(ns: argparse.Namespace, app):
     # Past the drain, uvicorn cancels what still runs (a client that does not read its finished stream, say).
     return uvicorn.Config(app, host=ns.host, port=ns.port, uds=ns.uds,
                           log_level=ns.uvicorn_log_level, access_log=not ns.disable_uvicorn_access_log,
-                          log_config=ns.log_config_file or uvicorn.config.LOGGING_CONFIG, timeout_keep_alive=5,
+                          log_config=ns.log_config_file or uvicorn.config.LOGGING_CONFIG,
+                          timeout_keep_alive=ns.http_keep_alive_s,
                           timeout_graceful_shutdown=ns.shutdown_timeout + SHUTDOWN_GRACE_S,
                           ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
                           ssl_cert_reqs=ns.ssl_cert_reqs, **({"ssl_ciphers": ns.ssl_ciphers} if ns.ssl_ciphers else {}))

@@ -308,6 +308,9 @@ def test_bad_kernel_environment_stops_before_loading(started, capsys, monkeypatc
     ("VLLM_MAX_N_SEQUENCES", "0", "VLLM_MAX_N_SEQUENCES must be a positive integer"),
     ("VLLM_CPU_KVCACHE_SPACE", "40G", "VLLM_CPU_KVCACHE_SPACE must be the KV cache size in GiB"),
     ("VLLM_CPU_OMP_THREADS_BIND", "0-3;4-7", "VLLM_CPU_OMP_THREADS_BIND must list cores such as 0-31"),
+    ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5s", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE must be a number of seconds >= 0 (how long "
+                                           "an idle keep-alive connection stays open; 5 unless set), got '5s'"),
+    ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "-1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE must be a number of seconds >= 0"),
 ])
 def test_bad_vllm_environment_stops_before_loading(started, capsys, monkeypatch, env, value, message):
     monkeypatch.setenv(env, value)
@@ -330,6 +333,15 @@ def test_the_stats_interval_is_read_once_at_start(started, monkeypatch, caplog):
     assert main(["serve"]) == 0 and started["ns"].log_stats_interval == 10.0
     assert caplog.text.count("is not above 0") == 1
     assert main(["serve", "--disable-log-stats"]) == 0 and started["ns"].log_stats_interval is None
+
+
+@pytest.mark.parametrize("value, seconds", [(None, 5.0), ("30", 30.0), ("0.5", 0.5)])
+def test_http_keep_alive_as_vllm_reads_it(started, monkeypatch, value, seconds):
+    """VLLM_HTTP_TIMEOUT_KEEP_ALIVE reaches uvicorn (it was a fixed 5 s)."""
+    if value is not None:
+        monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", value)
+    assert main(["serve"]) == 0
+    assert serve_cli.uvicorn_config(started["ns"], app=None).timeout_keep_alive == seconds
 
 
 def test_a_chat_template_file_is_compiled_at_start(started, capsys, tmp_path):
