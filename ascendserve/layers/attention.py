@@ -47,7 +47,12 @@ class AttentionMetadata:
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k, v [T, Hk, D] at their slots (in the cache's dtype)."""
+    """Store k, v [T, Hk, D] at their slots (in the cache's dtype). On the CPU one kernel copies the rows on every
+    thread (the demo's 8 x 256 bf16 prefill: the 60 index_copy_ calls of a step took ~9 ms)."""
+    if (kv_cache.device.type == "cpu" and k.dtype == v.dtype and _kernel_reads(k.dtype, kv_cache.dtype)
+            and _rows_contiguous(k) and _rows_contiguous(v) and (kernels := cpu_kernels.ops()) is not None):
+        kernels.paged_kv_write(k, v, kv_cache, slot_mapping)
+        return
     k_flat = kv_cache[0].view(-1, *k.shape[1:])
     v_flat = kv_cache[1].view(-1, *v.shape[1:])
     k_flat.index_copy_(0, slot_mapping, k.to(kv_cache.dtype))

@@ -247,6 +247,49 @@ def test_decode_kernel_refuses_a_slot_outside_the_cache(kernels):
         kernels.paged_decode_write(q, k, v, cache, slots, meta.decode_block_tables, meta.decode_context_lens, 0.25)
 
 
+@pytest.mark.parametrize("src_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                    (torch.float16, torch.float16), (torch.float32, torch.bfloat16),
+                                                    (torch.float32, torch.float16)])
+@pytest.mark.parametrize("rows", [1, 300, 2048])  # one thread, and split across threads from 256 rows on
+def test_kv_write_kernel_stores_what_index_copy_stores(src_dtype, cache_dtype, rows, kernels):
+    """write_kv's CPU kernel (prefill k / v, strided views of a qkv row, on shuffled slots) against torch's
+    index_copy_ with the cast, bit for bit (fp32 into a half cache is rounded as .to() rounds)."""
+    gen = torch.Generator().manual_seed(rows)
+    packed = (torch.randn(rows, 2 * 3 * 64 + 5, generator=gen) * 100).to(src_dtype)
+    k, v = packed[:, :192].view(rows, 3, 64), packed[:, 192:384].view(rows, 3, 64)
+    cache = torch.randn(2, rows // 16 + 4, 16, 3, 64, generator=gen).to(cache_dtype)
+    slots = torch.randperm(cache.shape[1] * 16, generator=gen)[:rows]
+    expected = cache.clone()
+    expected[0].view(-1, 3, 64).index_copy_(0, slots, k.to(cache_dtype))
+    expected[1].view(-1, 3, 64).index_copy_(0, slots, v.to(cache_dtype))
+    kernels.paged_kv_write(k, v, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_write_kv_takes_the_kernel_on_the_cpu(kernels, monkeypatch):
+    calls = []
+    monkeypatch.setattr(attention.cpu_kernels, "ops", lambda: type("K", (), {
+        "paged_kv_write": staticmethod(lambda *a: calls.append(a) or kernels.paged_kv_write(*a))}))
+    cache = torch.zeros(2, 4, 4, 2, 8)
+    k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    attention.write_kv(cache, k, v, torch.tensor([0, 3, 7, 8, 15]))
+    assert len(calls) == 1 and torch.equal(cache[0].view(-1, 2, 8)[[0, 3, 7, 8, 15]], k)
+    attention.write_kv(cache, k.half(), v.half(), torch.tensor([1, 2, 4, 5, 6]))  # fp16 into fp32: torch's copy
+    assert len(calls) == 1 and torch.equal(cache[1].view(-1, 2, 8)[[1, 2, 4, 5, 6]], v.half().float())
+
+
+def test_kv_write_kernel_checks_every_slot_before_storing(kernels):
+    cache = torch.zeros(2, 2, 4, 2, 8)
+    k = v = torch.ones(3, 2, 8)
+    with pytest.raises(RuntimeError, match="paged_kv_write: slot 8 outside the cache's 8"):
+        kernels.paged_kv_write(k, v, cache, torch.tensor([0, 1, 8]))
+    assert not cache.any()  # nothing was stored
+    with pytest.raises(RuntimeError, match="each row contiguous"):
+        kernels.paged_kv_write(torch.ones(3, 8, 2).transpose(1, 2), v, cache, torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="slots must be"):
+        kernels.paged_kv_write(k, v, cache, torch.tensor([0, 1, 2], dtype=torch.int32))
+
+
 def _causal_reference(q, k, v, count, scale):
     """count sequences back to back, q [count * Tq, Hq, D] over k / v [count * Tk, Hk, D] (Tk - Tq cached first)."""
     outs = []

@@ -673,47 +673,50 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
 }
 
 // Rows of src_t values into dst_t cache rows: src row b starts at src + b * src_stride, goes to slot[b].
-// A float -> bfloat16 / half conversion rounds to nearest even, as torch's .to() does.
+// A float -> bfloat16 / half conversion rounds to nearest even, as torch's .to() does. Threads split the rows
+// from kStoreGrain of them on (a prefill's k / v: torch's index_copy_ took 75 us for the demo's 2048 x 3 x 64 bf16
+// rows, one thread, against ~10 for a plain copy of them).
+constexpr int64_t kStoreGrain = 256;
+
 template <typename src_t, typename dst_t>
 void store_rows(const src_t* src, int64_t src_stride, const int64_t* slot, int64_t rows, int64_t row_elems,
                 dst_t* dst) {
-  for (int64_t b = 0; b < rows; ++b) {
-    const src_t* from = src + b * src_stride;
-    dst_t* to = dst + slot[b] * row_elems;
-    if constexpr (std::is_same_v<src_t, dst_t>) {
-      std::memcpy(to, from, row_elems * sizeof(dst_t));
-    } else {
-      for (int64_t i = 0; i < row_elems; ++i) to[i] = static_cast<dst_t>(static_cast<float>(from[i]));
+  at::parallel_for(0, rows, kStoreGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const src_t* from = src + b * src_stride;
+      dst_t* to = dst + slot[b] * row_elems;
+      if constexpr (std::is_same_v<src_t, dst_t>) {
+        std::memcpy(to, from, row_elems * sizeof(dst_t));
+      } else {
+        for (int64_t i = 0; i < row_elems; ++i) to[i] = static_cast<dst_t>(static_cast<float>(from[i]));
+      }
     }
-  }
+  });
 }
 
-// paged_decode after storing the step's new k / v [B, Hk, D] (rows may be strided, each row's [Hk, D]
-// contiguous: the views the qkv split gives) at their cache slots: the two index_copy_ calls of a layer's
-// decode folded into the op (at one row, 60 of a demo step's ~400 op calls). k and v are in the cache's
-// dtype, or float32 into a bfloat16 / float16 cache (rounded as they are stored).
-at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
-                              const at::Tensor& slots, const at::Tensor& block_tables,
-                              const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() && q.dim() == 3,
-              "paged_decode_write: q [B, Hq, D], kv_cache [2, num_blocks, block_size, Hk, D] contiguous expected");
-  const int64_t rows = q.size(0), row_elems = kv_cache.size(3) * kv_cache.size(4);
+// Store a step's new k / v [T, Hk, D] (rows may be strided, each row's [Hk, D] contiguous: the views the qkv split
+// gives) at their cache slots of kv_cache [2, num_blocks, block_size, Hk, D]: what attention.write_kv does with two
+// index_copy_ calls elsewhere. k and v are in the cache's dtype, or float32 into a bfloat16 / float16 cache
+// (rounded as they are stored). Every slot is checked before anything is stored.
+void paged_kv_write(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const at::Tensor& slots) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "paged_kv_write: kv_cache [2, num_blocks, block_size, Hk, D] contiguous expected");
+  const int64_t rows = k.dim() == 3 ? k.size(0) : -1, row_elems = kv_cache.size(3) * kv_cache.size(4);
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
   for (const at::Tensor* t : {&k, &v})
     TORCH_CHECK(t->dim() == 3 && t->size(0) == rows && t->size(1) == kv_cache.size(3) &&
                     t->size(2) == kv_cache.size(4) && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
                     t->scalar_type() == k.scalar_type(),
-                "paged_decode_write: k and v must be [B, Hk, D] of one dtype, each row contiguous");
+                "paged_kv_write: k and v must be [T, Hk, D] of one dtype, each row contiguous");
   const at::ScalarType st = k.scalar_type(), ct = kv_cache.scalar_type();
-  check_dtypes(q.scalar_type(), ct);  // before anything is stored
   TORCH_CHECK(st == ct || (st == at::kFloat && (ct == at::kBFloat16 || ct == at::kHalf)),
-              "paged_decode_write: ", st, " k / v into a ", ct, " cache is not supported (the cache's dtype, or "
+              "paged_kv_write: ", st, " k / v into a ", ct, " cache is not supported (the cache's dtype, or "
               "float32 into a bfloat16 / float16 cache)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows,
-              "paged_decode_write: slots must be [B] int64");
+              "paged_kv_write: slots must be [T] int64");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < rows; ++b)
-    TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "paged_decode_write: slot ", slot[b], " outside the cache's ",
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "paged_kv_write: slot ", slot[b], " outside the cache's ",
                 num_slots);
   auto store = [&](auto src_type, auto cache_type) {
     using src_t = decltype(src_type);
@@ -727,7 +730,20 @@ at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at
   else if (st == ct && ct == at::kHalf) store(c10::Half(), c10::Half());
   else if (ct == at::kBFloat16) store(float(), c10::BFloat16());
   else if (ct == at::kHalf) store(float(), c10::Half());
-  else TORCH_CHECK(false, "paged_decode_write: ", ct, " caches are not supported");
+  else TORCH_CHECK(false, "paged_kv_write: ", ct, " caches are not supported");
+}
+
+// paged_decode after paged_kv_write of the step's new k / v [B, Hk, D]: the two index_copy_ calls of a layer's
+// decode folded into the op (at one row, 60 of a demo step's ~400 op calls).
+at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
+                              const at::Tensor& slots, const at::Tensor& block_tables,
+                              const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() && q.dim() == 3 &&
+                  k.dim() == 3 && k.size(0) == q.size(0),
+              "paged_decode_write: q [B, Hq, D], k / v [B, Hk, D], kv_cache [2, num_blocks, block_size, Hk, D] "
+              "contiguous expected");
+  check_dtypes(q.scalar_type(), kv_cache.scalar_type());  // before anything is stored
+  paged_kv_write(k, v, kv_cache, slots);
   return paged_decode(q, kv_cache, block_tables, context_lens, scale);
 }
 
@@ -737,7 +753,9 @@ TORCH_LIBRARY(ascendserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.def("paged_decode_write(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slots, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_kv_write(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slots) -> ()");
   m.def("paged_decode_bf16_dot(int head_dim) -> bool", &paged_decode_bf16_dot);
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
   m.impl("paged_decode_write", c10::DispatchKey::CPU, TORCH_FN(paged_decode_write));
+  m.impl("paged_kv_write", c10::DispatchKey::CPU, TORCH_FN(paged_kv_write));
 }
