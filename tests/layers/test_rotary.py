@@ -50,18 +50,27 @@ def test_op_is_taken_for_fp32_and_bf16(kernels):
     assert rope._cpu_op(positions.int(), q, k) is None
 
 
-def test_bf16_op_is_the_fp32_rotation_rounded_once(kernels, monkeypatch):
-    # Qwen3.5-style partial rotary on bf16 q: computed in fp32 from the fp32 cos / sin, rounded once; the channels
-    # past the rotary dim copied as they are
-    rope = _rotary(256, 64, scaling=0.9)
+@pytest.mark.parametrize("head_dim, rotary_dim, tokens", [
+    (256, 64, 7),    # Qwen3.5-style partial rotary: the channels past the rotary dim copied as they are
+    (64, 64, 300),   # the demo's heads over a prefill chunk: 16 pairs at a time on AVX-512
+    (48, 40, 33),    # 20 pairs: 16 on AVX-512, the last 4 one by one
+])
+def test_bf16_op_is_the_fp32_rotation_rounded_once(kernels, monkeypatch, head_dim, rotary_dim, tokens):
+    # bf16 q computed in fp32 from the fp32 cos / sin and rounded once
+    rope = _rotary(head_dim, rotary_dim, scaling=0.9)
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(7, 4, 256, generator=gen).bfloat16()
-    positions = torch.randint(0, 4096, (7,), generator=gen)
+    q = torch.randn(tokens, 4, head_dim, generator=gen).bfloat16()
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
     got, _ = rope(positions, q, q[:, :2])
     assert got.dtype == torch.bfloat16
     exact, _ = _torch_form(rope, positions, q.float(), q[:, :2].float(), monkeypatch)
-    assert torch.equal(got[..., 64:], q[..., 64:])
-    assert torch.equal(got, exact.bfloat16())  # exact rounding of the fp32 result, bar fp32's own ulps
+    assert torch.equal(got[..., rotary_dim:], q[..., rotary_dim:])
+    # the fp32 result rounded once: the op's fp32 sums may differ from torch's by an ulp (an FMA), which flips the
+    # rounding of a value that lies on a bf16 boundary (1 of the 76,800 values at 300 tokens, before and after the
+    # AVX-512 loop): never more than one bf16 step, and rarely
+    rounded = exact.bfloat16()
+    torch.testing.assert_close(got.float(), rounded.float(), rtol=2.0 ** -7, atol=0)
+    assert (got != rounded).sum() <= max(1, got.numel() // 10000)
 
 
 

@@ -47,6 +47,24 @@ inline at::BFloat16 from_float<at::BFloat16>(float f) {
 inline __m512 widen16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+
+// 16 bf16 values widened to fp32 (exact), and 16 fp32 values rounded to bf16 to nearest even, NaN to 0x7fc0 (what
+// from_float does; vcvtneps2bf16 where the CPU has AVX512-BF16, which keeps a NaN's sign and payload).
+inline __m512 load_bf16x16(const at::BFloat16* p) {
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline void store_bf16x16(at::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+#endif
+}
 #endif
 
 }  // namespace ascendserve_bf16

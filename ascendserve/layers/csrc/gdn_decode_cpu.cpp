@@ -178,23 +178,8 @@ void delta_rule_head(S* s, int64_t dk, int64_t dv, const float* q, const float* 
 }
 
 #if defined(__AVX512F__)
-// 16 bf16 values widened to fp32 (exact), and 16 fp32 values rounded to bf16 to nearest even (as from_float does;
-// vcvtneps2bf16 where the CPU has AVX512-BF16).
-inline __m512 load_bf16x16(const at::BFloat16* p) {
-  return ascendserve_bf16::widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-inline void store_bf16x16(at::BFloat16* p, __m512 v) {
-#if defined(__AVX512BF16__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-#else
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
-#endif
-}
+using ascendserve_bf16::load_bf16x16;
+using ascendserve_bf16::store_bf16x16;
 
 // Columns [j, j + 16 NV) of delta_rule_head on a bf16 state, in vector registers: both passes walk the rows in memory
 // order (a Qwen3.5 head's 128 columns are one group: 256 contiguous bytes a row), widening each row as it is loaded,

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "bf16_convert.h"
 
@@ -38,8 +39,22 @@ void rope_rows(const at::Tensor& x, const int64_t* pos, const float* cos_ptr, co
       for (int64_t h = 0; h < heads; ++h) {
         const T* src = x_ptr + t * st + h * sh;
         T* dst = out_ptr + (t * heads + h) * dim;
+        int64_t vectorized = 0;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          // 16 pairs at a time on bf16 rows: the scalar loop's conversions kept it at ~3 cycles an element
+          // (the demo's 2048 x 9 x 64 queries: 154 us, two threads)
+          using namespace ascendserve_bf16;
+          for (int64_t i = 0; i + 16 <= half; i += 16, vectorized = i) {
+            const __m512 a = load_bf16x16(src + i), b = load_bf16x16(src + i + half);
+            store_bf16x16(dst + i, _mm512_fmsub_ps(a, _mm512_loadu_ps(c + i), _mm512_mul_ps(b, _mm512_loadu_ps(s + i))));
+            store_bf16x16(dst + i + half, _mm512_fmadd_ps(b, _mm512_loadu_ps(c + i + half),
+                                                          _mm512_mul_ps(a, _mm512_loadu_ps(s + i + half))));
+          }
+        }
+#endif
 #pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
+        for (int64_t i = vectorized; i < half; ++i) {
           const float a = to_float(src[i]), b = to_float(src[i + half]);
           dst[i] = from_float<T>(a * c[i] - b * s[i]);
           dst[i + half] = from_float<T>(b * c[i + half] + a * s[i + half]);
