@@ -82,9 +82,10 @@ def preload_env(argv: list[str], env: dict[str, str]) -> dict[str, str] | None:
     return new
 
 
-def restart_with_preloaded_malloc() -> None:
-    """Exec this command line again under tcmalloc where `preload_env` says so; returns otherwise."""
-    env = preload_env(sys.argv[1:], dict(os.environ))
+def restart_with_preloaded_malloc(argv: list[str]) -> None:
+    """Exec this process's command line (the ascendserve words `argv`) again under tcmalloc where `preload_env`
+    says so; returns otherwise."""
+    env = preload_env(argv, dict(os.environ))
     if env is None:
         return
     sys.stdout.flush()

@@ -51,12 +51,14 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `ascendserve` console script (argv None: the process's own command line)."""
+def main(argv: list[str] | None = None, command: tuple[str, ...] = ()) -> int:
+    """Entry point of the `ascendserve` console script and `python -m ascendserve` (argv None: the process's own
+    command line, after `command`: `python -m ascendserve.entrypoints.openai.api_server --model M` is `serve`)."""
     if argv is None:
         from ascendserve.cli import allocator
-        allocator.restart_with_preloaded_malloc()  # returns unless it restarts the process under tcmalloc
-        line = allocator.describe(sys.argv[1:])
+        argv = [*command, *sys.argv[1:]]
+        allocator.restart_with_preloaded_malloc(argv)  # returns unless it restarts the process under tcmalloc
+        line = allocator.describe(argv)
         if line:
             from ascendserve.logger import init_logger
             init_logger("ascendserve.cli.main").info(line)

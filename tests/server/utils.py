@@ -37,14 +37,14 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    """`python -m ascendserve.cli.main serve ...` in a subprocess, its output in a log file."""
+    """`python -m ascendserve.cli.main serve ...` (or another `entry`) in a subprocess, its output in a log file."""
 
-    def __init__(self, args: list[str], env: dict | None = None) -> None:
+    def __init__(self, args: list[str], env: dict | None = None,
+                 entry: tuple[str, ...] = ("ascendserve.cli.main", "serve")) -> None:
         self.port = free_port()
         self.scheme = "https" if "--ssl-certfile" in args else "http"  # a test's self-signed certificate
         self.log = tempfile.NamedTemporaryFile("w+", prefix="ascendserve-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "ascendserve.cli.main", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", *entry, "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
         self._wait_ready()

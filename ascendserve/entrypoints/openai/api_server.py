@@ -204,3 +204,11 @@ def _install_api_key_check(app: FastAPI, keys: list[str]) -> None:
 
 
 __all__ = ["build_app", "FrontendOptions", "OpenAIError", "DEFAULT_LOG_STATS_INTERVAL_S"]
+
+
+if __name__ == "__main__":  # vLLM's older entry point: `python -m vllm.entrypoints.openai.api_server --model M ...`
+    import sys
+
+    from ascendserve.cli.main import main
+
+    sys.exit(main(command=("serve",)))
