@@ -34,12 +34,32 @@ def _runs_engine(argv: list[str]) -> bool:
     return tuple(words[:1]) in _ENGINE_COMMANDS or tuple(words) in _ENGINE_COMMANDS
 
 
-def _device(argv: list[str]) -> str:
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of `name` on the command line (`--name V` or `--name=V`), else None."""
     for i, arg in enumerate(argv):
-        if arg == "--device" and i + 1 < len(argv):
+        if arg == name and i + 1 < len(argv):
             return argv[i + 1]
-        if arg.startswith("--device="):
+        if arg.startswith(name + "="):
             return arg.split("=", 1)[1]
+    return None
+
+
+def _device(argv: list[str]) -> str:
+    """--device as the command line gives it, else as its `--config` file does (`device: cpu`), else auto. A file
+    that does not read is left to the parser to report."""
+    device = _flag(argv, "--device")
+    if device is not None:
+        return device
+    path = _flag(argv, "--config")
+    if path is not None:
+        import yaml
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError):
+            data = None
+        if isinstance(data, dict) and isinstance(data.get("device"), str):
+            return data["device"]
     return "auto"
 
 

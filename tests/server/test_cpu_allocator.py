@@ -43,6 +43,20 @@ def test_no_restart(argv, env):
     assert allocator.preload_env(argv, env) is None
 
 
+def test_the_device_of_a_config_file_decides_too(tmp_path):
+    """`serve --config FILE` with `device:` in the file: the restart reads it as it reads --device."""
+    path = tmp_path / "config.yaml"
+    path.write_text("device: cuda\n")
+    assert allocator.preload_env(["serve", "--config", str(path)], {}) is None
+    assert allocator.preload_env(["serve", f"--config={path}"], {}) is None
+    assert allocator._device(["serve", "--config", str(path), "--device", "cpu"]) == "cpu"  # the command line wins
+    path.write_text("device: [unclosed\n")
+    assert allocator._device(["serve", "--config", str(path)]) == "auto"  # the parser reports the file later
+    assert allocator._device(["serve", "--config", str(tmp_path / "missing.yaml")]) == "auto"
+    path.write_text("device: cpu\n")
+    assert allocator._device(["serve", "--config", str(path)]) == "cpu"
+
+
 def test_a_named_library_is_preloaded_instead():
     if not NO_ACCELERATOR:
         pytest.skip("an accelerator's device node exists: the auto device is not the CPU here")
