@@ -19,7 +19,8 @@ logger = init_logger(__name__)
 
 DEFAULT_HTTP_KEEP_ALIVE_S = 5.0  # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default (and uvicorn's)
 
-# JSON-valued flags and a correct example of each, shown when a value does not parse.
+# JSON-valued flags (inert ones included: this table makes a flag JSON-valued) and a correct example of each, shown
+# when a value does not parse.
 JSON_FLAG_EXAMPLES = {
     "--compilation-config": '\'{"cudagraph_mode":"FULL_DECODE_ONLY"}\'',
     "--additional-config": '\'{"enable_cpu_binding":true}\'',
@@ -44,11 +45,11 @@ NO_EFFECT_FLAGS = {
     "--api-server-count": ({"type": int}, "one API server process serves"),
     "--headless": ({"action": "store_true"}, "there are no remote engines to run headless"),
     "--enable-expert-parallel": ({"action": "store_true"}, "expert parallelism is not implemented"),
-    "--additional-config": ({"type": None}, "no platform plugin reads it"),
-    "--speculative-config": ({"type": None}, "speculative decoding (MTP) is not implemented"),
+    "--additional-config": ({}, "no platform plugin reads it"),
+    "--speculative-config": ({}, "speculative decoding (MTP) is not implemented"),
     "--mamba-cache-mode": ({}, "the recurrent-state cache has one mode"),
     "--allowed-local-media-path": ({}, "multimodal input is not implemented"),
-    "--limit-mm-per-prompt": ({"type": None}, "multimodal input is not implemented"),
+    "--limit-mm-per-prompt": ({}, "multimodal input is not implemented"),
     "--skip-mm-profiling": ({"action": "store_true"}, "multimodal input is not implemented"),
     "--language-model-only": ({"action": "store_true"}, "only the language model is loaded anyway"),
     "--mm-processor-cache-gb": ({"type": float}, "multimodal input is not implemented"),
@@ -100,7 +101,7 @@ NO_EFFECT_FLAGS = {
     "--disable-custom-all-reduce": ({"action": "store_true"}, "one device: there is no all-reduce"),
     "--all2all-backend": ({}, "expert parallelism is not implemented"),
     "--enable-eplb": ({"action": "store_true"}, "expert parallelism is not implemented"),
-    "--eplb-config": ({"type": None}, "expert parallelism is not implemented"),
+    "--eplb-config": ({}, "expert parallelism is not implemented"),
     "--expert-placement-strategy": ({}, "expert parallelism is not implemented"),
     "--enable-dbo": ({"action": "store_true"}, "dual-batch overlap needs expert parallelism"),
     "--enable-return-routed-experts": ({"action": "store_true"}, "responses carry no routed experts"),
@@ -108,8 +109,8 @@ NO_EFFECT_FLAGS = {
     "--cpu-offload-gb": ({"type": float}, "weights are not offloaded"),
     "--kv-offloading-size": ({"type": float}, "the KV cache is not offloaded"),
     "--kv-offloading-backend": ({}, "the KV cache is not offloaded"),
-    "--kv-transfer-config": ({"type": None}, "disaggregated prefill (KV transfer) is not implemented"),
-    "--kv-events-config": ({"type": None}, "KV cache events are not published"),
+    "--kv-transfer-config": ({}, "disaggregated prefill (KV transfer) is not implemented"),
+    "--kv-events-config": ({}, "KV cache events are not published"),
     "--kv-sharing-fast-prefill": ({"action": "store_true"}, "no model here shares KV across layers"),
     "--calculate-kv-scales": ({"action": "store_true"}, "fp8 KV caches are not implemented"),
     "--prefix-caching-hash-algo": ({}, "prefix-cache blocks are keyed by a chained blake2b of their tokens (and "
@@ -134,7 +135,7 @@ NO_EFFECT_FLAGS = {
     "--safetensors-load-strategy": ({}, "safetensors files are read one after the other"),
     "--max-parallel-loading-workers": ({"type": int}, "safetensors files are read one after the other"),
     "--pt-load-map-location": ({}, ".bin weights are loaded onto the CPU, then moved"),
-    "--model-loader-extra-config": ({"type": None}, "one loader reads every checkpoint"),
+    "--model-loader-extra-config": ({}, "one loader reads every checkpoint"),
     "--ignore-patterns": ({"nargs": "+"}, "a download fetches the model's config, tokenizer and weight files"),
     "--allow-deprecated-quantization": ({"action": "store_true"}, "quantized checkpoints are not supported"),
     "--enable-lora": ({"action": "store_true"}, "LoRA adapters are not implemented"),
@@ -165,7 +166,7 @@ NO_EFFECT_FLAGS = {
     "--max-seq-len-to-capture": ({"type": int}, "decode graphs cover max_model_len"),
     "--task": ({}, "this engine runs generative models only (vLLM replaced --task with --runner)"),
     "--num-lookahead-slots": ({"type": int}, "speculative decoding is not implemented"),
-    "--pooler-config": ({"type": None}, "this engine runs generative models only"),
+    "--pooler-config": ({}, "this engine runs generative models only"),
     "--scheduler-cls": ({}, "the built-in scheduler runs"),
     "--worker-extension-cls": ({}, "workers are not extended"),
     "--disable-hybrid-kv-cache-manager": ({"action": "store_true"}, "the KV blocks and the recurrent-state slots "
@@ -310,7 +311,7 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="(ascendserve) answer 503 with Retry-After once this many sequences wait for a slot")
     for flag, (kwargs, _) in NO_EFFECT_FLAGS.items():
         kwargs = dict(kwargs)
-        if kwargs.get("type", 0) is None:
+        if flag in JSON_FLAG_EXAMPLES:  # a JSON flag is one with an example to show when its value does not parse
             kwargs["type"] = _json_flag(flag)
         p.add_argument(flag, *kwargs.pop("aliases", ()), default=None, **kwargs)
     for flag in REFUSED_FLAGS:

@@ -193,11 +193,7 @@ def test_human_readable_max_model_len(text, value):
     assert human_readable_int(text) == value
 
 
-JSON_FLAGS = sorted(set(serve_cli.JSON_FLAG_EXAMPLES)
-                    | {flag for flag, (kwargs, _) in serve_cli.NO_EFFECT_FLAGS.items() if kwargs.get("type", 0) is None})
-
-
-@pytest.mark.parametrize("flag", JSON_FLAGS)
+@pytest.mark.parametrize("flag", sorted(serve_cli.JSON_FLAG_EXAMPLES))
 def test_bad_json_flag_stops_with_value_error_and_example(flag, capsys):
     """Every JSON flag, the inert ones too (a bad --eplb-config or --kv-transfer-config was a KeyError traceback:
     they had no example)."""
