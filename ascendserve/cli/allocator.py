@@ -21,6 +21,8 @@ import ctypes.util
 import os
 import sys
 
+from ascendserve.cli.config_file import CONFIG_FLAG, read_config_file
+
 ENV_VAR = "ASCENDSERVE_CPU_ALLOCATOR"
 _EXECED = "ASCENDSERVE_CPU_ALLOCATOR_EXECED"  # set in the restarted process: never restart twice
 _ENGINE_COMMANDS = {("serve",), ("generate",), ("bench", "throughput"), ("bench", "latency")}
@@ -50,12 +52,11 @@ def _device(argv: list[str]) -> str:
     device = _flag(argv, "--device")
     if device is not None:
         return device
-    path = _flag(argv, "--config")
+    path = _flag(argv, CONFIG_FLAG)
     if path is not None:
         import yaml
         try:
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f)
+            data = read_config_file(path)
         except (OSError, yaml.YAMLError):
             data = None
         if isinstance(data, dict) and isinstance(data.get("device"), str):

@@ -28,6 +28,14 @@ def normalize_flag_names(argv: list[str]) -> list[str]:
     return out
 
 
+def read_config_file(path: str):
+    """The YAML document at `path` (None for an empty file); OSError or yaml.YAMLError where it does not read."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
 def config_arguments(parser: argparse.ArgumentParser, path: str, cli_names_model: bool) -> list[str]:
     """The command-line arguments that the YAML file at `path` stands for (errors through `parser.error`,
     naming the file and the key)."""
@@ -37,8 +45,7 @@ def config_arguments(parser: argparse.ArgumentParser, path: str, cli_names_model
         parser.error(f"{CONFIG_FLAG} {path}: {message}")
 
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        data = read_config_file(path)
     except OSError as e:
         fail(f"cannot read it ({e.strerror or e})")
     except yaml.YAMLError as e:
