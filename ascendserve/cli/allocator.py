@@ -57,7 +57,7 @@ def _device(argv: list[str]) -> str:
         import yaml
         try:
             data = read_config_file(path)
-        except (OSError, yaml.YAMLError):
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
             data = None
         if isinstance(data, dict) and isinstance(data.get("device"), str):
             return data["device"]

@@ -29,7 +29,8 @@ def normalize_flag_names(argv: list[str]) -> list[str]:
 
 
 def read_config_file(path: str):
-    """The YAML document at `path` (None for an empty file); OSError or yaml.YAMLError where it does not read."""
+    """The YAML document at `path` (None for an empty file); OSError, UnicodeDecodeError (not UTF-8) or
+    yaml.YAMLError where it does not read."""
     import yaml
 
     with open(path, encoding="utf-8") as f:
@@ -48,6 +49,8 @@ def config_arguments(parser: argparse.ArgumentParser, path: str, cli_names_model
         data = read_config_file(path)
     except OSError as e:
         fail(f"cannot read it ({e.strerror or e})")
+    except UnicodeDecodeError as e:
+        fail(f"not UTF-8 text ({e.reason} at byte {e.start})")
     except yaml.YAMLError as e:
         fail(f"not valid YAML: {' '.join(str(e).split())}")
     if data is None:

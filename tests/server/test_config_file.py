@@ -108,6 +108,17 @@ def test_a_bad_value_in_the_file_is_the_flags_own_error(started, tmp_path, capsy
     assert "argument --port: a port is 0 to 65535, got 70000" in capsys.readouterr().err and not started
 
 
+def test_a_config_file_that_is_not_utf8_is_an_error_not_a_traceback(started, tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_bytes(b"port: \xff\xfe\n")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--config", str(path)])
+    assert e.value.code == 2 and not started
+    assert f"--config {path}: not UTF-8 text (invalid start byte at byte 6)" in capsys.readouterr().err
+    from ascendserve.cli import allocator
+    assert allocator._device(["serve", "--config", str(path)]) == "auto"  # the parser reports it, not the restart
+
+
 def test_a_missing_config_file(started, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--config", str(tmp_path / "missing.yaml")])
