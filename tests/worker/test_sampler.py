@@ -13,6 +13,7 @@ from ascendserve.worker.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    top_k_top_p_candidates,
 )
 
 INF = float("inf")
@@ -74,6 +75,93 @@ def test_sampled_tokens_stay_inside_the_mask(kwargs, allowed):
     logits = torch.tensor([log_probs(0.4, 0.3, 0.2, 0.1)] * 2000)
     rows = [make_row(**kwargs) for _ in range(2000)]
     assert set(Sampler(seed=0)(logits, rows).sampled_token_ids) == allowed
+
+
+# ---- the candidates' short cut (top-k / top-p without sorting the vocabulary) ---------------------------------
+
+def _candidate_survivors(logits: torch.Tensor, params: list[SamplingParams], nucleus: int) -> list[set[int]] | None:
+    found = top_k_top_p_candidates(logits.clone(), params, nucleus)
+    if found is None:
+        return None
+    values, token_ids = found
+    return [set(ids[vals > -INF].tolist()) for vals, ids in zip(values, token_ids)]
+
+
+def _sorted_survivors(logits: torch.Tensor, params: list[SamplingParams]) -> list[set[int]]:
+    masked = logits.clone()
+    apply_top_k_top_p(masked, params)
+    return survivors(masked)
+
+
+def test_candidates_keep_what_the_full_sort_keeps():
+    # Peaked rows over 3000 tokens with ties across the first places, a mix of top_k, top_p and both (nuclei inside
+    # the first five, and one reaching into the tail), and a row whose tail is -inf past 100 tokens.
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(24, 3000, generator=gen) - 2
+    logits[:, :5] = torch.tensor([9.0, 9.0, 8.5, 8.5, 8.5])
+    logits[3, 100:] = -INF
+    params = [SamplingParams(**kw) for kw in [{"top_k": 1}, {"top_k": 2}, {"top_k": 3}, {"top_k": 50},
+                                              {"top_p": 0.3}, {"top_p": 0.5, "top_k": 4}, {"top_k": 4, "top_p": 0.9},
+                                              {"top_p": 0.985}]]
+    params = params * 3
+    got = _candidate_survivors(logits, params, 256)
+    assert got is not None and got == _sorted_survivors(logits, params)
+    assert [len(s) for s in got[:5]] == [1, 2, 3, 50, 2]
+    assert 5 < len(got[7]) < 256
+
+
+def test_candidates_give_up_where_the_k_cannot_tell():
+    logits = torch.zeros(1, 400)
+    logits[0, :10] = torch.arange(10, 0, -1).float()  # then 390 tied zeros
+    assert _candidate_survivors(logits, [SamplingParams(top_k=12)], 256) is None  # the 12th place is a tie
+    assert _candidate_survivors(logits, [SamplingParams(top_k=10)], 256) == [set(range(10))]
+    flat = torch.randn(1, 5000, generator=torch.Generator().manual_seed(6)) * 0.01  # nearly uniform, no ties
+    assert _candidate_survivors(flat, [SamplingParams(top_p=0.9)], 256) is None  # a nucleus of ~4500 tokens
+    for top_p, nucleus in ((0.01, 256), (0.5, 4096)):
+        params = [SamplingParams(top_p=top_p)]
+        assert _candidate_survivors(flat, params, nucleus) == _sorted_survivors(flat, params)
+    assert _candidate_survivors(flat, [SamplingParams(top_p=0.5)], 5000) is None  # K = the vocabulary: the sort
+
+
+def test_truncated_sampling_on_candidates_matches_the_renormalized_softmax():
+    # vocab 1000, top_k 3 with top_p: the candidate path; frequencies against the kept tokens' renormalized softmax.
+    base = torch.full((1000,), -4.0)
+    base[[7, 500, 999, 3]] = torch.tensor([1.0, 1.5, 0.5, 0.2])
+    draws = 12000
+    rows = [make_row(top_k=3, top_p=0.95) for _ in range(draws)]
+    tokens = torch.tensor(Sampler(seed=0)(base.expand(draws, 1000).clone(), rows).sampled_token_ids)
+    frequencies = torch.bincount(tokens, minlength=1000).float() / draws
+    kept = torch.tensor([7, 500, 999])
+    expected = torch.zeros(1000)
+    expected[kept] = torch.softmax(base[kept], -1)
+    torch.testing.assert_close(frequencies, expected, atol=0.02, rtol=0)
+
+
+def test_seeded_row_draws_the_same_token_on_candidates_and_after_the_sort():
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randn(2000, generator=gen) * 2
+    tied = torch.zeros(2000)
+    tied[:3] = 5.0  # top_k 3 then ties at the 4th place: the batch falls back to the full sort
+
+    def draw(step: int, with_tie: bool) -> int:
+        rows = [make_row(output=[1] * step, seed=99, top_k=40, top_p=0.9, temperature=0.8)]
+        logits = [target]
+        if with_tie:
+            rows.append(make_row(top_k=4))
+            logits.append(tied)
+        return Sampler(seed=step)(torch.stack(logits), rows).sampled_token_ids[0]
+
+    drawn = [draw(step, False) for step in range(12)]
+    assert drawn == [draw(step, True) for step in range(12)]
+    assert len(set(drawn)) > 1
+
+
+def test_mixed_batch_of_truncated_and_whole_vocabulary_rows():
+    logits = torch.tensor(log_probs(0.4, 0.3, 0.2, 0.1) + [-30.0] * 996).expand(3000, 1000).clone()
+    rows = [make_row(top_k=2) if i % 2 else make_row() for i in range(3000)]
+    tokens = Sampler(seed=1)(logits, rows).sampled_token_ids
+    assert set(tokens[1::2]) == {0, 1}
+    assert set(tokens[0::2]) == {0, 1, 2, 3}
 
 
 # ---- penalties and processors -----------------------------------------------------------------
