@@ -36,13 +36,15 @@ class ServeConfig:
     burstiness: float = 1.0
     seed: int = 0
     temperature: float = 0.0
+    sampling: dict | None = None  # top_p, top_k, min_p, repetition_penalty where given (vLLM's sampling flags)
     disable_tqdm: bool = False
     timeout_s: float = 6 * 3600
     extra_body: dict | None = None  # merged into every request body last (vLLM's --extra-body)
 
 
 def request_body(cfg: ServeConfig, req: SampleRequest) -> dict:
-    """The JSON body for one prompt: completions take `prompt`, chat takes one user message; then `extra_body`."""
+    """The JSON body for one prompt: completions take `prompt`, chat takes one user message; then the sampling flags
+    given, then `extra_body`."""
     body = {"model": cfg.model, "max_tokens": req.expected_output_len, "temperature": cfg.temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     if cfg.endpoint.endswith("chat/completions"):
@@ -52,6 +54,7 @@ def request_body(cfg: ServeConfig, req: SampleRequest) -> dict:
         body["prompt"] = req.prompt
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    body.update(cfg.sampling or {})
     body.update(cfg.extra_body or {})
     return body
 

@@ -15,6 +15,11 @@ from ascendserve.cli.engine_flags import (STARTUP_ERRORS, add_engine_flags, engi
                                           non_negative_int, positive_float, positive_int)
 
 
+# vLLM's `bench serve` sampling flags besides --temperature, sent only where given.
+SAMPLING_FLAGS = {"--top-p": float, "--top-k": int, "--min-p": float, "--repetition-penalty": float}
+_SAMPLING_KEYS = [flag[2:].replace("-", "_") for flag in SAMPLING_FLAGS]
+
+
 def register(sub) -> None:
     """Add the `bench` subcommand and its serve/throughput/latency subcommands."""
     p = sub.add_parser("bench", help="benchmark a server (serve) or the offline engine (throughput, latency)",
@@ -58,6 +63,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-concurrency", default=None, help="comma-separated levels, e.g. 1,4,16,64: one run each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
+    for flag, kind in SAMPLING_FLAGS.items():
+        p.add_argument(flag, type=kind, default=None, help="sent in every request where given (vLLM's sampling "
+                       "parameters; the server checks them)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--extra-body", type=json_object, default=None,
                    help="a JSON object merged into every request body, e.g. for a server without ignore_eos: "
@@ -155,6 +163,7 @@ def _serve_config(ns, concurrency: int | None):
     return ServeConfig(base_url=ns.base_url, endpoint=ns.endpoint, model=ns.model, api_key=ns.api_key,
                        ignore_eos=ns.ignore_eos, max_concurrency=concurrency, request_rate=ns.request_rate,
                        burstiness=ns.burstiness, seed=ns.seed, temperature=ns.temperature,
+                       sampling={name: value for name in _SAMPLING_KEYS if (value := getattr(ns, name)) is not None},
                        disable_tqdm=ns.disable_tqdm, extra_body=ns.extra_body)
 
 

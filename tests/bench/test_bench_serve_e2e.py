@@ -61,3 +61,16 @@ def test_bench_serve_names_the_error_when_requests_fail(server):
     [line] = [line for line in proc.stderr.splitlines() if "requests failed" in line]
     assert line.startswith("ascendserve bench serve: 3 of 3 requests failed; the first error: HTTP 400")
     assert "max_tokens" in line or "1024" in line, line
+
+
+def test_bench_serve_sends_its_sampling_flags(server):
+    """--top-p / --top-k / --min-p / --repetition-penalty reach the requests (the server refuses a bad one)."""
+    base = [sys.executable, "-m", "ascendserve.cli.main", "bench", "serve", "--base-url", server.url,
+            "--num-prompts", "2", "--random-input-len", "16", "--random-output-len", "8", "--ignore-eos",
+            "--disable-tqdm", "--temperature", "0.8", "--top-k", "5", "--min-p", "0.01", "--repetition-penalty", "1.1"]
+    proc = subprocess.run(base + ["--top-p", "0.9"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + server.read_log()[-3000:]
+    assert any(line.startswith("Total generated tokens:                  16") for line in proc.stdout.splitlines())
+    proc = subprocess.run(base + ["--top-p", "1.5"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # the initial test request names it
+    assert "the initial test request failed: HTTP 400" in proc.stderr and "'top_p'" in proc.stderr, proc.stderr

@@ -101,6 +101,17 @@ def test_extra_body_is_merged_last():
     assert body["min_tokens"] == 9 and body["temperature"] == 1 and body["ignore_eos"] is True
 
 
+def test_sampling_flags_go_into_the_body_where_given():
+    from ascendserve.cli.bench import _serve_config
+    ns = build_parser().parse_args(["bench", "serve", "--top-k", "20", "--top-p", "0.95"])
+    cfg = _serve_config(ns, None)
+    assert cfg.sampling == {"top_p": 0.95, "top_k": 20}
+    body = request_body(cfg, SampleRequest("p", 1, 9))
+    assert (body["top_p"], body["top_k"]) == (0.95, 20) and "min_p" not in body and "repetition_penalty" not in body
+    plain = request_body(_serve_config(build_parser().parse_args(["bench", "serve"]), None), SampleRequest("p", 1, 9))
+    assert not {"top_p", "top_k", "min_p", "repetition_penalty"} & set(plain)
+
+
 def test_poisson_arrivals_pace_requests():
     async def collect(rate):
         loop = asyncio.get_running_loop()
