@@ -164,6 +164,31 @@ def test_mixed_batch_of_truncated_and_whole_vocabulary_rows():
     assert set(tokens[0::2]) == {0, 1, 2, 3}
 
 
+def test_whole_vocabulary_draws_match_the_softmax_across_blocks_and_skip_masked_tokens():
+    # 1000 tokens (blocks of 256, the last one padded): mass on both sides of block edges, -inf holes between.
+    base = torch.full((1000,), -INF)
+    live = torch.tensor([0, 255, 256, 511, 700, 999])
+    base[live] = torch.tensor([0.5, 1.0, 0.0, 1.5, -0.5, 0.8])
+    draws = 12000
+    rows = [make_row(temperature=1.0) for _ in range(draws)]
+    tokens = torch.tensor(Sampler(seed=3)(base.expand(draws, 1000).clone(), rows).sampled_token_ids)
+    assert set(tokens.tolist()) <= set(live.tolist())
+    frequencies = torch.bincount(tokens, minlength=1000).float()[live] / draws
+    torch.testing.assert_close(frequencies, torch.softmax(base[live], -1), atol=0.02, rtol=0)
+
+
+def test_seeded_whole_vocabulary_row_is_independent_of_its_batch():
+    target = torch.randn(700, generator=torch.Generator().manual_seed(8))
+
+    def draw(step: int, others: int) -> int:
+        rows = [make_row() for _ in range(others)] + [make_row(output=[2] * step, seed=77)]
+        logits = torch.cat([torch.randn(others, 700), target[None]])
+        return Sampler(seed=others)(logits, rows).sampled_token_ids[-1]
+
+    drawn = [draw(step, 0) for step in range(10)]
+    assert drawn == [draw(step, 5) for step in range(10)] and len(set(drawn)) > 1
+
+
 # ---- penalties and processors -----------------------------------------------------------------
 
 PENALTY_LOGITS = [2.0, -1.0, 0.5, -0.5, 1.0]
