@@ -89,8 +89,10 @@ class Sampler:
         return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, token_ids, rows))
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        sampled = argmax_rows(logits)
         random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if len(random) == len(rows):  # no argmax to overwrite, no copy of the rows (63 MB for Qwen3.5 at 64)
+            return self._sample_random(logits, rows)
+        sampled = argmax_rows(logits)
         if random:
             index = _index(random, logits.device)
             sampled[index] = self._sample_random(logits[index], [rows[i] for i in random])
