@@ -119,8 +119,8 @@ class Sampler:
         """Rows with a top_k or top_p: the race among their candidates (top_k_top_p_candidates), or over the whole
         vocabulary masked by the full sort where the candidates cannot tell."""
         params = [row.params for row in rows]
-        nucleus_only = any(not 0 < p.top_k < logits.shape[1] for p in params)
-        for nucleus in NUCLEUS_CANDIDATES if nucleus_only else NUCLEUS_CANDIDATES[:1]:
+        top_p_alone = any(not 0 < p.top_k < logits.shape[1] for p in params)  # a longer list can settle those
+        for nucleus in NUCLEUS_CANDIDATES if top_p_alone else NUCLEUS_CANDIDATES[:1]:
             candidates = top_k_top_p_candidates(logits, params, nucleus)
             if candidates is not None:
                 break
