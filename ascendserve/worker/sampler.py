@@ -90,36 +90,22 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        if len(random) == len(rows):  # no argmax to overwrite, no copy of the rows (63 MB for Qwen3.5 at 64)
-            return self._sample_random(logits, rows)
-        sampled = argmax_rows(logits)
-        if random:
-            index = _index(random, logits.device)
-            sampled[index] = self._sample_random(logits[index], [rows[i] for i in random])
-        return sampled
+        return _by_part(logits, rows, random, self._sample_random, lambda part, _: argmax_rows(part))
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         params = [row.params for row in rows]
         logits.div_(_column([p.temperature for p in params], logits))
         apply_min_p(logits, params)
         vocab_size = logits.shape[1]
-        cut = [i for i, p in enumerate(params) if _truncates(p, vocab_size)]
-        if len(cut) == len(rows):
-            return self._sample_truncated(logits, rows)
-        if not cut:
-            return self._draw(logits, rows)
-        sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        whole = sorted(set(range(len(rows))) - set(cut))
-        for part, sample in ((cut, self._sample_truncated), (whole, self._draw)):
-            index = _index(part, logits.device)
-            sampled[index] = sample(logits[index], [rows[i] for i in part])
-        return sampled
+        cut = [i for i, (top_k, p) in enumerate(zip(_top_ks(params, vocab_size), params))
+               if top_k < vocab_size or p.top_p < 1.0]
+        return _by_part(logits, rows, cut, self._sample_truncated, self._draw)
 
     def _sample_truncated(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Rows with a top_k or top_p: the race among their candidates (top_k_top_p_candidates), or over the whole
         vocabulary masked by the full sort where the candidates cannot tell."""
         params = [row.params for row in rows]
-        top_p_alone = any(not 0 < p.top_k < logits.shape[1] for p in params)  # a longer list can settle those
+        top_p_alone = logits.shape[1] in _top_ks(params, logits.shape[1])  # a longer list can settle those
         for nucleus in NUCLEUS_CANDIDATES if top_p_alone else NUCLEUS_CANDIDATES[:1]:
             candidates = top_k_top_p_candidates(logits, params, nucleus)
             if candidates is not None:
@@ -151,18 +137,27 @@ class Sampler:
         return torch.where(lost, argmax_rows(probs), tokens) if bool(lost.any()) else tokens
 
     def _uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
-        """One float64 U[0, 1) draw a row: from the engine's generator, or a seeded row's own (_row_generator)."""
-        draws = torch.empty(len(rows), dtype=torch.float64, device=device)
+        """One float64 U[0, 1) draw a row."""
+        return self._per_row(rows, device, lambda n, generator, _: torch.rand(
+            n, dtype=torch.float64, device=device, generator=generator))
+
+    def _per_row(self, rows: list[SamplingRow], device: torch.device, draw) -> torch.Tensor:
+        """Random draws stacked in row order: draw(n, generator, j) makes n rows' worth, the unseeded rows' in one call
+        on the engine's generator (j None), each seeded row j's (n = 1) on its own (_row_generator), so a seeded row
+        draws the same numbers in any batch."""
         unseeded = [j for j, row in enumerate(rows) if row.params.seed is None]
-        if unseeded:
-            fresh = torch.rand(len(unseeded), dtype=torch.float64, device=device,
-                               generator=self._engine_generator(device))
-            draws[_index(unseeded, device)] = fresh
+        if len(unseeded) == len(rows):
+            return draw(len(rows), self._engine_generator(device), None)
+        order = list(unseeded)
+        parts = [draw(len(unseeded), self._engine_generator(device), None)] if unseeded else []
         for j, row in enumerate(rows):
             if row.params.seed is not None:
-                draws[j] = torch.rand(1, dtype=torch.float64, device=device,
-                                      generator=_row_generator(row, device))[0]
-        return draws
+                order.append(j)
+                parts.append(draw(1, _row_generator(row, device), j))
+        stacked = torch.cat(parts)
+        out = torch.empty_like(stacked)
+        out[_index(order, device)] = stacked
+        return out
 
     def _race(self, logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor | None = None,
               vocab_size: int = 0) -> torch.Tensor:
@@ -176,21 +171,14 @@ class Sampler:
                            vocab_size: int) -> torch.Tensor:
         """Exp(1) draws, one per column. A seeded row draws one per token of the vocabulary whatever its columns (its
         candidates' are taken by token_ids), so it samples the same token in any batch, by any path."""
-        noise = torch.empty_like(probs)
-        unseeded = [j for j, row in enumerate(rows) if row.params.seed is None]
-        if len(unseeded) == len(rows):
-            _exponential(noise, self._engine_generator(probs.device))
-        elif unseeded:
-            fresh = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
-            noise[_index(unseeded, probs.device)] = _exponential(fresh, self._engine_generator(probs.device))
-        for j, row in enumerate(rows):
-            if row.params.seed is None:
-                continue
-            generator = _row_generator(row, probs.device)
-            if token_ids is None:
-                _exponential(noise[j], generator)
-            else:
-                noise[j] = _exponential(torch.empty(vocab_size, device=probs.device), generator)[token_ids[j]]
+        device, columns = probs.device, probs.shape[1]
+
+        def draw(n: int, generator: torch.Generator, j: int | None) -> torch.Tensor:
+            if j is None or token_ids is None:
+                return _exponential(torch.empty((n, columns), device=device), generator)
+            return _exponential(torch.empty((1, vocab_size), device=device), generator)[:, token_ids[j]]
+
+        noise = self._per_row(rows, device, draw)
         # E = -log U is 0 where U is 1 (CUDA draws from (0, 1]), and p / 0 infinite; p / tiny stays finite for p <= 1.
         return noise.clamp_(min=torch.finfo(torch.float32).tiny)
 
@@ -353,7 +341,7 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> Non
     # top-k keeps the first k; top-p then keeps the shortest prefix whose (renormalized)
     # probability reaches top_p: probs [.5, .3, .2], top_p .7 -> [.5, .3].
     vocab_size = logits.shape[1]
-    top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    top_ks = _top_ks(params, vocab_size)
     top_ps = [p.top_p for p in params]
     if all(k == vocab_size for k in top_ks) and all(p >= 1.0 for p in top_ps):
         return
@@ -361,11 +349,7 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> Non
     positions = torch.arange(vocab_size, device=logits.device)
     drop = positions >= _index(top_ks, logits.device).unsqueeze(1)
     if any(p < 1.0 for p in top_ps):
-        probs = sorted_logits.masked_fill(drop, _NEG_INF).softmax(dim=-1)
-        before = torch.zeros_like(probs)
-        before[:, 1:] = probs.cumsum(dim=-1)[:, :-1]
-        top_p = _column(top_ps, logits)
-        drop |= (before >= top_p) & (top_p < 1.0)
+        drop |= _outside_nucleus(sorted_logits.masked_fill(drop, _NEG_INF).softmax(dim=-1), top_ps)
     logits.masked_fill_(torch.empty_like(drop).scatter_(1, order, drop), _NEG_INF)
 
 
@@ -385,7 +369,7 @@ def top_k_top_p_candidates(logits: torch.Tensor, params: list[SamplingParams],
     or `nucleus` for a row with top_p alone. None where the K cannot tell: a tie across the K-th place, or a
     row whose nucleus is larger than its K."""
     vocab_size = logits.shape[1]
-    top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    top_ks = _top_ks(params, vocab_size)
     k = max(top_k if top_k < vocab_size else nucleus for top_k in top_ks)
     if k >= vocab_size:
         return None
@@ -410,15 +394,38 @@ def top_k_top_p_candidates(logits: torch.Tensor, params: list[SamplingParams],
             if bool((whole.sum(dim=-1) < _column([top_ps[i] for i in alone], whole).squeeze(1)).any()):
                 return None
             probs[index] = whole
-        before = torch.zeros_like(probs)
-        before[:, 1:] = probs.cumsum(dim=-1)[:, :-1]
-        top_p = _column(top_ps, values)
-        drop |= (before >= top_p) & (top_p < 1.0)
+        drop |= _outside_nucleus(probs, top_ps)
     return values.masked_fill_(drop, _NEG_INF), token_ids
 
 
-def _truncates(params: SamplingParams, vocab_size: int) -> bool:
-    return 0 < params.top_k < vocab_size or params.top_p < 1.0
+def _top_ks(params: list[SamplingParams], vocab_size: int) -> list[int]:
+    """Each row's top_k, the vocabulary size where it keeps every token (0, -1 or past it)."""
+    return [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+
+
+def _outside_nucleus(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """Of probabilities sorted best first, the places past each row's nucleus: the tokens whose predecessors already
+    reach top_p (none where top_p is 1)."""
+    before = torch.zeros_like(probs)
+    before[:, 1:] = probs.cumsum(dim=-1)[:, :-1]
+    top_p = _column(top_ps, probs)
+    return (before >= top_p) & (top_p < 1.0)
+
+
+def _by_part(logits: torch.Tensor, rows: list[SamplingRow], chosen: list[int], sample_chosen,
+             sample_rest) -> torch.Tensor:
+    """sample_chosen(logits, rows) over the rows listed in `chosen`, sample_rest over the others, in row order; a part
+    that holds every row runs on `logits` itself (no copy of its rows)."""
+    if len(chosen) == len(rows):
+        return sample_chosen(logits, rows)
+    if not chosen:
+        return sample_rest(logits, rows)
+    sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    rest = sorted(set(range(len(rows))) - set(chosen))
+    for part, sample in ((chosen, sample_chosen), (rest, sample_rest)):
+        index = _index(part, logits.device)
+        sampled[index] = sample(logits[index], [rows[i] for i in part])
+    return sampled
 
 
 def _exponential(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
