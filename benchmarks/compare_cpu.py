@@ -14,7 +14,7 @@ bytes are prepared in compare_models.py, the report is written by compare_report
     .venv/bin/python benchmarks/compare_cpu.py --models demo --engines ascendserve,llamacpp --concurrency 1,8
     .venv/bin/python benchmarks/compare_cpu.py --models demo --engines ascendserve,vllm --rounds 3
     .venv/bin/python benchmarks/compare_cpu.py --models qwen35 --engines ascendserve,vllm --concurrency 64 \
-        --temperature 0.7 --top-p 0.8 --top-k 20            # sampled as a chat deployment of Qwen3.5 is
+        --temperature 1.0 --top-p 0.95 --top-k 20           # sampled as Qwen3.5's generation_config.json says
 
 The host's speed drifts (15-40% over minutes on a shared VM), so one engine measured after another can
 win or lose by the drift alone. --rounds N runs every configuration N times, in alternating order
