@@ -113,8 +113,11 @@ def clear_stale_build_lock(build_dir: str, max_age_s: float = STALE_LOCK_SECONDS
         age = time.time() - os.path.getmtime(lock)
     except OSError:
         return False
-    if age <= max_age_s:
-        return False  # another process may be building right now
+    if age <= max_age_s:  # another process may be building right now: say what the wait is on
+        logger.info("Waiting for the CPU-kernel build another process started %.0f s ago (lock %s); if no build is "
+                    "running, that process was killed: remove the lock, or it is cleared once %.0f min old",
+                    age, lock, max_age_s / 60)
+        return False
     logger.warning("Removing a stale CPU-kernel build lock (%s, %.0f min old): an earlier build was interrupted",
                    lock, age / 60)
     try:

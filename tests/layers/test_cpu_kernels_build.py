@@ -17,9 +17,11 @@ def test_a_stale_build_lock_is_removed_with_a_warning(tmp_path, caplog):
     assert not lock.exists() and "stale CPU-kernel build lock" in caplog.text
 
 
-def test_a_recent_build_lock_is_kept(tmp_path):
+def test_a_recent_build_lock_is_kept_and_the_wait_named(tmp_path, caplog):
     lock = tmp_path / "lock"
     lock.write_text("")  # another process may be building now
-    assert not cpu_kernels.clear_stale_build_lock(str(tmp_path))
+    with caplog.at_level(logging.INFO):
+        assert not cpu_kernels.clear_stale_build_lock(str(tmp_path))
     assert lock.exists()
+    assert "Waiting for the CPU-kernel build" in caplog.text and str(lock) in caplog.text
     assert not cpu_kernels.clear_stale_build_lock(str(tmp_path / "missing"))
