@@ -25,6 +25,7 @@ the per-round ratios, each from runs minutes apart.
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -113,8 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--concurrency takes integers like 1,8,16,64, got {ns.concurrency!r}") from None
     if not ns.levels or min(ns.levels) < 1:
         raise SystemExit(f"--concurrency levels must be >= 1, got {ns.concurrency!r}")
-    if ns.temperature < 0:
-        raise SystemExit(f"--temperature must be >= 0, got {ns.temperature}")
+    if not math.isfinite(ns.temperature) or ns.temperature < 0:
+        raise SystemExit(f"--temperature must be >= 0 and finite, got {ns.temperature}")
     if ns.top_p is not None and not 0 < ns.top_p <= 1:
         raise SystemExit(f"--top-p must be in (0, 1], got {ns.top_p}")
     if ns.top_k is not None and ns.top_k < 1 and ns.top_k != -1:

@@ -174,6 +174,8 @@ def test_sampling_flags_reach_every_engines_client_and_the_report(tmp_path):
     assert argv[argv.index("--top-p") + 1] == "0.8" and argv[argv.index("--top-k") + 1] == "20"
     assert report.sampling_text(ns) == "temperature 0.7 top_p 0.8 top_k 20"
     for flags, message in ((["--temperature", "-1"], "--temperature must be >= 0"),
+                           (["--temperature", "nan"], "--temperature must be >= 0 and finite"),
+                           (["--temperature", "inf"], "--temperature must be >= 0 and finite"),
                            (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
                            (["--top-k", "0"], "--top-k must be >= 1")):
         with pytest.raises(SystemExit, match=message):
