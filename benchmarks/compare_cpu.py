@@ -118,8 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--temperature must be >= 0 and finite, got {ns.temperature}")
     if ns.top_p is not None and not 0 < ns.top_p <= 1:
         raise SystemExit(f"--top-p must be in (0, 1], got {ns.top_p}")
-    if ns.top_k is not None and ns.top_k < 1 and ns.top_k != -1:
-        raise SystemExit(f"--top-k must be >= 1 (or -1: no limit), got {ns.top_k}")
+    if ns.top_k is not None and ns.top_k < -1:
+        raise SystemExit(f"--top-k must be >= 1, or 0 / -1 (no limit, as vLLM takes them), got {ns.top_k}")
     if ns.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {ns.rounds}")
     ns.caps = _caps(ns.max_prompts)

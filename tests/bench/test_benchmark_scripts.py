@@ -173,11 +173,13 @@ def test_sampling_flags_reach_every_engines_client_and_the_report(tmp_path):
     assert argv[argv.index("--temperature") + 1] == "0.7"
     assert argv[argv.index("--top-p") + 1] == "0.8" and argv[argv.index("--top-k") + 1] == "20"
     assert report.sampling_text(ns) == "temperature 0.7 top_p 0.8 top_k 20"
+    for no_limit in (0, -1):  # vLLM's, SamplingParams' and llama.cpp's "every token"
+        assert compare_cpu.parse_args(["--top-k", str(no_limit)]).top_k == no_limit
     for flags, message in ((["--temperature", "-1"], "--temperature must be >= 0"),
                            (["--temperature", "nan"], "--temperature must be >= 0 and finite"),
                            (["--temperature", "inf"], "--temperature must be >= 0 and finite"),
                            (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
-                           (["--top-k", "0"], "--top-k must be >= 1")):
+                           (["--top-k", "-2"], "--top-k must be >= 1, or 0 / -1")):
         with pytest.raises(SystemExit, match=message):
             compare_cpu.parse_args(flags)
 
