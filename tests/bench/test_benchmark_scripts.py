@@ -220,3 +220,24 @@ def test_shell_scripts_parse(script):
     """The benchmark shell scripts run rarely (on a lent GPU, or a regression check): at least they parse."""
     path = Path(__file__).parents[2] / "benchmarks" / script
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True).returncode == 0
+
+
+def test_the_replay_splits_prefill_and_decode_steps_and_profiles_both(tmp_path, monkeypatch, capsys):
+    """benchmarks/replay_served_workload.py on a tiny Llama: 3 prompts of 40 tokens under a 64-token budget take two
+    prefill steps (40 + 24, then 16 + 40 with one decode row); the 4th token of the last two takes three decode steps
+    more. Each kind's profile is printed."""
+    from tests.models.llama_tiny import build_llama
+
+    path, _, _ = build_llama(tmp_path / "llama")
+    replay = _module("replay_served_workload")
+    monkeypatch.setattr(sys, "argv", ["replay", path, "--num-prompts", "3", "--input-len", "40", "--output-len", "4",
+                                      "--max-num-batched-tokens", "64", "--kv-cache-gib", "0.05",
+                                      "--profile-steps", "1"])
+    replay.main()
+    out = capsys.readouterr().out
+    assert "3 x 40 in / 4 out" in out and "whole run" in out
+    counts = {line.split()[0]: int(line.split()[2]) for line in out.splitlines()
+              if line.startswith(("  prefill ", "  decode "))}
+    assert counts == {"prefill": 2, "decode": 3}, out
+    assert "prefill steps (up to 1)" in out and "decode steps (up to 1)" in out
+    assert out.count("Self CPU time total") == 2, out
