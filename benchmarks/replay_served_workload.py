@@ -54,7 +54,7 @@ def profiled_replay(engine, k: int) -> dict[str, object]:
     from torch.profiler import ProfilerActivity, profile
 
     tables = {}
-    engine.step()  # the first prefill step: its output's first token is made once, as any step's
+    engine.step()  # not the first prefill step: the later ones also carry the decode rows of the prompts done
     for kind, want_prefill in (("prefill", True), ("decode", False)):
         while engine.has_unfinished_requests() and still_prefilling(engine) != want_prefill:
             engine.step()

@@ -224,8 +224,8 @@ def test_shell_scripts_parse(script):
 
 def test_the_replay_splits_prefill_and_decode_steps_and_profiles_both(tmp_path, monkeypatch, capsys):
     """benchmarks/replay_served_workload.py on a tiny Llama: 3 prompts of 40 tokens under a 64-token budget take two
-    prefill steps (40 + 24, then 16 + 40 with one decode row); the 4th token of the last two takes three decode steps
-    more. Each kind's profile is printed."""
+    prefill steps (40 + 24, then 16 + 40 with one decode row); the last two prompts' 2nd to 4th tokens take three
+    decode steps more. Each kind's profile is printed."""
     from tests.models.llama_tiny import build_llama
 
     path, _, _ = build_llama(tmp_path / "llama")
