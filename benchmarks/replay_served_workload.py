@@ -12,7 +12,8 @@ second on) and K decode steps, each kind's ops listed by self CPU time per step.
     LD_PRELOAD=libtcmalloc_minimal.so.4 .venv/bin/python benchmarks/replay_served_workload.py demo
     LD_PRELOAD=libtcmalloc_minimal.so.4 .venv/bin/python benchmarks/replay_served_workload.py \\
         ~/.cache/ascendserve/bench-peers/models/qwen3_5-0.8b-random [--num-prompts 64] [--input-len 256]
-        [--output-len 128] [--max-num-batched-tokens 2048] [--kv-cache-gib 4] [--profile-steps 3]
+        [--output-len 128] [--max-num-batched-tokens 2048] [--kv-cache-gib 4] [--mamba-ssm-cache-dtype bfloat16]
+        [--profile-steps 3]
 
 (tcmalloc: the served process runs under it, ascendserve/cli/allocator.py.)
 """
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--mamba-ssm-cache-dtype", default="auto", help="a hybrid model's recurrent-state dtype")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="the KV cache (and state pool) size")
     ap.add_argument("--profile-steps", type=int, default=0, help="K: also profile K prefill and K decode steps")
@@ -93,7 +95,8 @@ def main() -> None:
     demo = ns.model == "demo"
     llm = LLM(None if demo else ns.model, skip_tokenizer_init=True, dtype=ns.dtype,
               max_model_len=ns.input_len + ns.output_len + 64, kv_cache_memory_bytes=int(ns.kv_cache_gib * (1 << 30)),
-              max_num_seqs=ns.num_prompts, max_num_batched_tokens=ns.max_num_batched_tokens)
+              max_num_seqs=ns.num_prompts, max_num_batched_tokens=ns.max_num_batched_tokens,
+              mamba_ssm_cache_dtype=ns.mamba_ssm_cache_dtype)
     engine = llm.llm_engine
     vocab = engine.config.hf_config.get_text_config().vocab_size
     # warm-up: a prefill and a few decode steps (the kernels' first calls, the allocator's first spans)
