@@ -25,6 +25,7 @@ import time
 import torch
 
 from ascendserve import LLM, SamplingParams
+from ascendserve.bench.throughput import workload
 
 
 def still_prefilling(engine) -> bool:
@@ -32,11 +33,13 @@ def still_prefilling(engine) -> bool:
     return any(r.num_computed_tokens < r.num_prompt_tokens for r in (*sched.waiting, *sched.running))
 
 
-def add_requests(engine, ns, vocab: int, seed: int) -> None:
-    params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
-    gen = torch.Generator().manual_seed(seed)
-    for i in range(ns.num_prompts):
-        ids = torch.randint(100, vocab - 100, (ns.input_len,), generator=gen).tolist()
+def add_requests(engine, num_prompts: int, input_len: int, output_len: int, seed: int) -> None:
+    """`num_prompts` greedy requests of `input_len` random ids (`ascendserve bench throughput`'s fixed-length
+    workload) for `output_len` tokens each, ignore_eos."""
+    vocab = engine.config.hf_config.get_text_config().vocab_size
+    prompts, _ = workload(num_prompts, vocab, input_len, output_len, seed=seed)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i, ids in enumerate(prompts):
         engine.add_request(f"replay-{seed}-{i}", {"prompt_token_ids": ids}, params)
 
 
@@ -90,22 +93,21 @@ def main() -> None:
     ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="the KV cache (and state pool) size")
     ap.add_argument("--profile-steps", type=int, default=0, help="K: also profile K prefill and K decode steps")
     ns = ap.parse_args()
-    if min(ns.num_prompts, ns.input_len, ns.output_len) < 1 or ns.kv_cache_gib <= 0:
-        ap.error("--num-prompts, --input-len and --output-len must be >= 1, --kv-cache-gib above 0")
+    if min(ns.num_prompts, ns.input_len, ns.output_len) < 1 or ns.kv_cache_gib <= 0 or ns.profile_steps < 0:
+        ap.error("--num-prompts, --input-len and --output-len must be >= 1, --kv-cache-gib above 0, "
+                 "--profile-steps >= 0")
     demo = ns.model == "demo"
     llm = LLM(None if demo else ns.model, skip_tokenizer_init=True, dtype=ns.dtype,
               max_model_len=ns.input_len + ns.output_len + 64, kv_cache_memory_bytes=int(ns.kv_cache_gib * (1 << 30)),
               max_num_seqs=ns.num_prompts, max_num_batched_tokens=ns.max_num_batched_tokens,
               mamba_ssm_cache_dtype=ns.mamba_ssm_cache_dtype)
     engine = llm.llm_engine
-    vocab = engine.config.hf_config.get_text_config().vocab_size
     # warm-up: a prefill and a few decode steps (the kernels' first calls, the allocator's first spans)
-    add_requests(engine, argparse.Namespace(num_prompts=min(8, ns.num_prompts), input_len=64, output_len=4),
-                 vocab, seed=ns.seed + 1_000_000)
+    add_requests(engine, min(8, ns.num_prompts), 64, 4, seed=ns.seed + 1_000_000)
     while engine.has_unfinished_requests():
         engine.step()
 
-    add_requests(engine, ns, vocab, seed=ns.seed)
+    add_requests(engine, ns.num_prompts, ns.input_len, ns.output_len, seed=ns.seed)
     total, steps = on_model_thread(engine, lambda: timed_replay(engine))
     tokens = ns.num_prompts * ns.output_len
     print(f"{ns.model}: {ns.num_prompts} x {ns.input_len} in / {ns.output_len} out, "
@@ -114,10 +116,11 @@ def main() -> None:
     for kind, want in (("prefill", True), ("decode", False)):
         times = [t for p, t in steps if p == want]
         if times:
-            print(f"  {kind:7s} steps {len(times):4d}  sum {sum(times):7.2f} s  median {1e3 * statistics.median(times):8.1f} ms")
+            print(f"  {kind:7s} steps {len(times):4d}  sum {sum(times):7.2f} s  "
+                  f"median {1e3 * statistics.median(times):8.1f} ms")
 
     if ns.profile_steps > 0:
-        add_requests(engine, ns, vocab, seed=ns.seed + 1)
+        add_requests(engine, ns.num_prompts, ns.input_len, ns.output_len, seed=ns.seed + 1)
         profs = on_model_thread(engine, lambda: profiled_replay(engine, ns.profile_steps))
         for kind, prof in profs.items():
             print(f"\n{kind} steps (up to {ns.profile_steps}), ops by self CPU time:")
