@@ -9,6 +9,7 @@ from ascendserve.layers.activation import GatedActivation
 from ascendserve.layers.attention import AttentionMetadata, paged_attention
 from ascendserve.layers.norm import RMSNorm
 from ascendserve.layers.rotary import RotaryEmbedding, position_limit, rope_inv_freq
+from ascendserve.models.llama_cpu_decode import CpuDecodeLoop
 from ascendserve.models.weights import StackedLoader
 
 
@@ -97,12 +98,24 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = rotary
+        # the flat decode loop of llama_cpu_decode.py (or None) and the modules it was built from
+        self._cpu_decode: tuple[tuple, CpuDecodeLoop | None] = ((), None)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if (loop := self._cpu_decode_loop()) is not None and loop.runs(hidden, positions, kv_caches, meta):
+            return loop(hidden, positions, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
+
+    def _cpu_decode_loop(self) -> CpuDecodeLoop | None:
+        """The flat loop for decode steps on the bf16 CPU kernels, built on first use (after prepacking) and again
+        when the layers it read were replaced; None where the layers do not all run on those kernels."""
+        source = CpuDecodeLoop.source_of(self)
+        if self._cpu_decode[0] != source:
+            self._cpu_decode = (source, CpuDecodeLoop.build(self))
+        return self._cpu_decode[1]
 
 
 class LlamaForCausalLM(nn.Module):

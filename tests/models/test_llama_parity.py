@@ -13,22 +13,22 @@ MAX_NEW = 12
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               rms_norm_eps=1e-6, tie_word_embeddings=False)
-CONFIGS = {
-    "llama": lambda: LlamaConfig(**COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
-                                                            "factor": 8.0, "low_freq_factor": 1.0,
-                                                            "high_freq_factor": 4.0,
-                                                            "original_max_position_embeddings": 64}),
-    "qwen2": lambda: Qwen2Config(**{**COMMON, "tie_word_embeddings": True}),
-    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),
+CONFIGS = {  # each takes overrides of COMMON
+    "llama": lambda **o: LlamaConfig(**{**COMMON, **o}, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                                                         "factor": 8.0, "low_freq_factor": 1.0,
+                                                                         "high_freq_factor": 4.0,
+                                                                         "original_max_position_embeddings": 64}),
+    "qwen2": lambda **o: Qwen2Config(**{**COMMON, "tie_word_embeddings": True, **o}),
+    "qwen3": lambda **o: Qwen3Config(**{**COMMON, **o}, head_dim=32),
 }
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 LENGTHS = [1, 7, 16, 17, 64, 100, 255, 300]  # crosses block (16) boundaries
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def checkpoint(request, tmp_path_factory):
     config = CONFIGS[request.param]()
-    config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                             "qwen3": "Qwen3ForCausalLM"}[request.param]]
+    config.architectures = [ARCHITECTURES[request.param]]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize_(model, seed=1)
@@ -132,3 +132,41 @@ def test_bf16_model_on_the_bf16_kernel(tmp_path, budget):
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
     assert picks and all((p is not None) == (kernels.bf16_amx() or kernels.bf16_dot()) for p in picks)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))  # qkv bias (qwen2), per-head q / k norms (qwen3)
+def test_bf16_decode_loop_is_the_modules(tmp_path, name, monkeypatch):
+    # A bf16 model whose layers all run on the CPU kernels takes llama_cpu_decode.py's flat loop for its decode steps:
+    # the same ops on the same tensors in the same order as the modules, so the same tokens and logprobs, bit for bit,
+    # through steps that mix prefills and decodes (the modules) and decode-only steps (the loop).
+    from ascendserve.layers import cpu_kernels
+    from ascendserve.models.llama_cpu_decode import CpuDecodeLoop
+    config = CONFIGS[name](hidden_size=128)  # head_dim 32: the decode kernel's bf16 queries (else widened: no loop)
+    config.architectures = [ARCHITECTURES[name]]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize_(model, seed=1)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    prompts = make_prompts(VOCAB, [1, 9, 16, 40, 77], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=2, ignore_eos=True)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", num_gpu_blocks_override=128,
+              enable_prefix_caching=False)
+    calls = []
+    call = CpuDecodeLoop.__call__
+    monkeypatch.setattr(CpuDecodeLoop, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
+    with_loop = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    kernels = cpu_kernels.ops()
+    runs = kernels is not None and bool(kernels.bf16_amx() or kernels.bf16_dot()) and kernels.paged_decode_bf16_dot(32)
+    assert bool(calls) == runs  # where the kernels lack the fused gate-and-up or bf16 queries, the modules run
+    if not runs:
+        return
+    decoder = llm.llm_engine.runner.model.model
+    monkeypatch.setattr(CpuDecodeLoop, "build", classmethod(lambda cls, m: None))
+    decoder._cpu_decode = ((), None)  # stale: built again, as None
+    calls.clear()
+    by_modules = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert not calls and decoder._cpu_decode[1] is None
+    for a, b in zip(with_loop, by_modules):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in step.items()} for step in a.outputs[0].logprobs] == \
+               [{t: lp.logprob for t, lp in step.items()} for step in b.outputs[0].logprobs]
