@@ -34,7 +34,7 @@ logger = init_logger(__name__)
 
 _SOURCES = ["paged_decode_cpu.cpp", "f32_linear_cpu.cpp", "bf16_linear_cpu.cpp", "q4_linear_cpu.cpp",
             "q8_linear_cpu.cpp", "gdn_decode_cpu.cpp", "gdn_prefill_cpu.cpp", "silu_and_mul_cpu.cpp",
-            "rms_norm_cpu.cpp", "rope_cpu.cpp", "argmax_cpu.cpp", "prefill_attention_cpu.cpp"]
+            "rms_norm_cpu.cpp", "rope_cpu.cpp", "argmax_cpu.cpp", "prefill_attention_cpu.cpp", "llama_decode_cpu.cpp"]
 STALE_LOCK_SECONDS = 900  # a build takes ~30 s to ~3 min; a lock older than this is left by a killed build
 _lock = threading.Lock()
 _state: dict = {}  # "ops": the loaded op namespace or None once a load was tried
@@ -98,7 +98,8 @@ def _load():
                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
     logger.info("CPU kernels (paged decode and prefill attention, fp32 GEMM, bf16, 4-bit and 8-bit weight linears, "
-                "Gated DeltaNet, SiLU-and-mul, RMSNorm, rotary, argmax) ready in %.1f s", time.perf_counter() - start)
+                "Gated DeltaNet, SiLU-and-mul, RMSNorm, rotary, argmax, Llama decode layers) ready in %.1f s",
+                time.perf_counter() - start)
     return torch.ops.ascendserve_cpu
 
 

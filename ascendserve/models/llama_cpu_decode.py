@@ -1,11 +1,13 @@
-"""A bf16 Llama-family decode step on the CPU kernels as one flat loop of op calls.
+"""A bf16 Llama-family decode step on the CPU kernels in one op call (csrc/llama_decode_cpu.cpp).
 
 The module path runs the same kernels, but a decode step of the demo (30 layers) makes ~13 Python calls a layer
 around its 8 ops (nn.Module dispatch, each layer's dtype and shape checks, q / k / v views), and those calls run
-with the interpreter's data pushed out of cache by the kernels between them. This loop checks the model once and
-each step once, then calls the ops directly: the same ops on the same tensors in the same order, so the same bits
-(tests/models/test_llama_parity.py). 2-core Xeon with AMX, the demo at 64 streams of 256 + 128 tokens, decode steps
-alternated in one process (median of 63-64): 66.2 ms by the modules, 59.8 ms by this loop.
+with the interpreter's data pushed out of cache by the kernels between them (perf, 64 streams: ~6% of both cores
+in the interpreter, ~17% in libgomp, the other core waiting meanwhile). This loop checks the model once and each
+step once, then hands every layer to one op that calls the same registered ops in the same order from C++: the same
+bits (tests/models/test_llama_parity.py). 2-core Xeon with AMX, the demo at 64 streams of 256 + 128 tokens, median
+decode step of 127 (one process each, alternated): 65.6-67.4 ms by the modules, 55.3-58.3 ms by this op (a flat
+Python loop of the same op calls: 64.7-67.4 against 70.2-73.4 in an earlier hour).
 """
 
 import torch
@@ -18,13 +20,19 @@ from ascendserve.layers.rotary import RotaryEmbedding
 
 
 class CpuDecodeLoop:
-    """Each layer's kernel arguments, read from a LlamaModel whose layers all run on the bf16 CPU kernels."""
+    """The op's arguments (every layer's weights, the shape they share), read from a LlamaModel whose layers all run on
+    the bf16 CPU kernels."""
 
     def __init__(self, model: nn.Module, kernels) -> None:
         self.kernels = kernels
         self.rotary = model.rotary
-        self.final_norm = model.norm
-        self.layers = [_layer_args(layer) for layer in model.layers]
+        attn = model.layers[0].self_attn
+        self.has_bias = attn.qkv_proj.bias is not None
+        self.weights = [w for layer in model.layers for w in _layer_weights(layer, self.has_bias)] + [model.norm.weight]
+        self.dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qkv_proj.out_features,
+                     attn.o_proj.out_features, model.layers[0].mlp.gate_up_proj.out_features,
+                     model.layers[0].mlp.down_proj.out_features, int(self.has_bias), int(attn.qk_norm)]
+        self.eps, self.scale = model.norm.eps, attn.scale
 
     @classmethod
     def build(cls, model: nn.Module) -> "CpuDecodeLoop | None":
@@ -33,7 +41,7 @@ class CpuDecodeLoop:
         RMSNorms, neox rotary on fp32 tables, nothing compiled (compilation.py), and a decode kernel that takes bf16
         queries for this head_dim."""
         if not (len(model.layers) and all(_runs_on_kernels(layer) for layer in model.layers)
-                and type(model.norm) is RMSNorm and isinstance(model.rotary, RotaryEmbedding)
+                and type(model.norm) is RMSNorm and _alike(model) and isinstance(model.rotary, RotaryEmbedding)
                 and model.rotary.cos_cache.dtype == torch.float32 and model.norm.weight.device.type == "cpu"
                 and not any("forward" in vars(m) for m in model.modules())):  # compiled modules take the torch forms
             return None
@@ -59,37 +67,9 @@ class CpuDecodeLoop:
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
         """The final norm's output for the embedded tokens `hidden` [T, hidden] (LlamaModel.forward's result)."""
-        ops, rows = self.kernels, hidden.shape[0]
-        cos, sin = self.rotary.cos_cache, self.rotary.sin_cache
-        slots, tables, lens = meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens
-        residual = None
-        for args, kv_cache in zip(self.layers, kv_caches):
-            (norm_in, eps_in, qkv, sizes, heads, kv_heads, qk_norms, scale, o_proj, norm_post, eps_post, gate_up,
-             down) = args
-            if residual is None:
-                residual, hidden = hidden, ops.rms_norm(hidden, norm_in, eps_in, False)
-            else:
-                hidden, residual = ops.add_rms_norm(hidden, residual, norm_in, eps_in, False)
-            q, k, v = _linear(ops, hidden, qkv).split(sizes, dim=-1)
-            q, k, v = q.view(rows, heads, -1), k.view(rows, kv_heads, -1), v.view(rows, kv_heads, -1)
-            if qk_norms is not None:
-                (q_w, q_eps), (k_w, k_eps) = qk_norms
-                q, k = ops.rms_norm(q, q_w, q_eps, False), ops.rms_norm(k, k_w, k_eps, False)
-            q, k = ops.rope_neox(q, positions, cos, sin), ops.rope_neox(k, positions, cos, sin)
-            out = ops.paged_decode_write(q, k, v, kv_cache, slots, tables, lens, scale)
-            hidden = _linear(ops, out.view(rows, -1), o_proj)
-            hidden, residual = ops.add_rms_norm(hidden, residual, norm_post, eps_post, False)
-            hidden = _linear(ops, ops.bf16_linear_silu_mul(hidden, gate_up.packed, gate_up.out_features), down)
-        norm = self.final_norm
-        if residual is None:
-            return ops.rms_norm(hidden, norm.weight, norm.eps, False)
-        return ops.add_rms_norm(hidden, residual, norm.weight, norm.eps, False)[0]
-
-
-def _linear(ops, x: torch.Tensor, layer: Bf16Linear) -> torch.Tensor:
-    """Bf16Linear._kernel's call for a bf16-in, bf16-out layer."""
-    bias = layer.bias_fp32 if layer.bias is not None else None
-    return ops.bf16_linear_bf16x(x, layer.packed, layer.out_features, bias, True)
+        return self.kernels.llama_decode_layers(
+            hidden, positions, self.weights, list(kv_caches), meta.slot_mapping, meta.decode_block_tables,
+            meta.decode_context_lens, self.rotary.cos_cache, self.rotary.sin_cache, self.dims, self.eps, self.scale)
 
 
 def _bf16_out(layer: nn.Module) -> bool:
@@ -101,15 +81,32 @@ def _runs_on_kernels(layer: nn.Module) -> bool:
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if attn.qk_norm:
         norms += [attn.q_norm, attn.k_norm]
-    return (_bf16_out(attn.qkv_proj) and _bf16_out(attn.o_proj) and _bf16_out(mlp.down_proj)
+    return (_bf16_out(attn.qkv_proj) and _bf16_out(attn.o_proj) and attn.o_proj.bias is None
+            and _bf16_out(mlp.down_proj) and mlp.down_proj.bias is None
             and type(mlp.gate_up_proj) is Bf16GateUpSilu and isinstance(mlp.act, nn.Identity)
             and all(type(n) is RMSNorm and n.weight.dtype in (torch.bfloat16, torch.float32) for n in norms))
 
 
-def _layer_args(layer: nn.Module) -> tuple:
+def _alike(model: nn.Module) -> bool:
+    """Every layer of the op's one shape: the first layer's head counts, widths, bias and q / k norms, and one eps."""
+    first = model.layers[0]
+    norms = [model.norm]
+
+    def shape(layer) -> tuple:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms.extend([layer.input_layernorm, layer.post_attention_layernorm]
+                     + ([attn.q_norm, attn.k_norm] if attn.qk_norm else []))
+        return (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qkv_proj.out_features, attn.o_proj.out_features,
+                mlp.gate_up_proj.out_features, mlp.down_proj.out_features, attn.qkv_proj.bias is not None,
+                attn.qk_norm, attn.scale, attn.rotary)
+    same = all(shape(layer) == shape(first) for layer in model.layers) and first.self_attn.rotary is model.rotary
+    return same and len({n.eps for n in norms}) == 1
+
+
+def _layer_weights(layer: nn.Module, has_bias: bool) -> list[torch.Tensor]:
+    """The op's per-layer weights, in its order (csrc/llama_decode_cpu.cpp)."""
     attn, mlp = layer.self_attn, layer.mlp
-    qk_norms = ((attn.q_norm.weight, attn.q_norm.eps), (attn.k_norm.weight, attn.k_norm.eps)) if attn.qk_norm else None
-    return (layer.input_layernorm.weight, layer.input_layernorm.eps, attn.qkv_proj,
-            [attn.q_size, attn.kv_size, attn.kv_size], attn.num_heads, attn.num_kv_heads, qk_norms, attn.scale,
-            attn.o_proj, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, mlp.gate_up_proj,
-            mlp.down_proj)
+    weights = [layer.input_layernorm.weight, attn.qkv_proj.packed] + ([attn.qkv_proj.bias_fp32] if has_bias else [])
+    weights += [attn.o_proj.packed, layer.post_attention_layernorm.weight, mlp.gate_up_proj.packed,
+                mlp.down_proj.packed]
+    return weights + ([attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm else [])
