@@ -98,7 +98,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = rotary
-        # the flat decode loop of llama_cpu_decode.py (or None) and the modules it was built from
+        # the one-op decode of llama_cpu_decode.py (or None) and the modules it was built from
         self._cpu_decode: tuple[tuple, CpuDecodeLoop | None] = ((), None)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -110,8 +110,8 @@ class LlamaModel(nn.Module):
         return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
 
     def _cpu_decode_loop(self) -> CpuDecodeLoop | None:
-        """The flat loop for decode steps on the bf16 CPU kernels, built on first use (after prepacking) and again
-        when the layers it read were replaced; None where the layers do not all run on those kernels."""
+        """The one-op decode on the bf16 CPU kernels, built on first use (after prepacking) and again when the layers
+        it read were replaced; None where the layers do not all run on those kernels."""
         source = CpuDecodeLoop.source_of(self)
         if self._cpu_decode[0] != source:
             self._cpu_decode = (source, CpuDecodeLoop.build(self))

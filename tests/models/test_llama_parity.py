@@ -136,9 +136,10 @@ def test_bf16_model_on_the_bf16_kernel(tmp_path, budget):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))  # qkv bias (qwen2), per-head q / k norms (qwen3)
 def test_bf16_decode_loop_is_the_modules(tmp_path, name, monkeypatch):
-    # A bf16 model whose layers all run on the CPU kernels takes llama_cpu_decode.py's flat loop for its decode steps:
-    # the same ops on the same tensors in the same order as the modules, so the same tokens and logprobs, bit for bit,
-    # through steps that mix prefills and decodes (the modules) and decode-only steps (the loop).
+    # A bf16 model whose layers all run on the CPU kernels hands its decode steps to one op (llama_cpu_decode.py,
+    # csrc/llama_decode_cpu.cpp): the same ops on the same tensors in the same order as the modules, so the same tokens
+    # and logprobs, bit for bit, through steps that mix prefills and decodes (the modules) and decode-only steps (the
+    # op). Against transformers it runs in test_bf16_model_on_the_bf16_kernel (its decode steps take the op).
     from ascendserve.layers import cpu_kernels
     from ascendserve.models.llama_cpu_decode import CpuDecodeLoop
     config = CONFIGS[name](hidden_size=128)  # head_dim 32: the decode kernel's bf16 queries (else widened: no loop)
