@@ -76,31 +76,35 @@ def _bf16_out(layer: nn.Module) -> bool:
     return type(layer) is Bf16Linear and layer.bf16_io and not layer.fp32_out
 
 
+def _norms(layer: nn.Module) -> list[nn.Module]:
+    """The layer's RMSNorms: input, post-attention, and Qwen3's per-head q / k norms."""
+    attn = layer.self_attn
+    head_norms = [attn.q_norm, attn.k_norm] if attn.qk_norm else []
+    return [layer.input_layernorm, layer.post_attention_layernorm, *head_norms]
+
+
 def _runs_on_kernels(layer: nn.Module) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
-    norms = [layer.input_layernorm, layer.post_attention_layernorm]
-    if attn.qk_norm:
-        norms += [attn.q_norm, attn.k_norm]
     return (_bf16_out(attn.qkv_proj) and _bf16_out(attn.o_proj) and attn.o_proj.bias is None
             and _bf16_out(mlp.down_proj) and mlp.down_proj.bias is None
             and type(mlp.gate_up_proj) is Bf16GateUpSilu and isinstance(mlp.act, nn.Identity)
-            and all(type(n) is RMSNorm and n.weight.dtype in (torch.bfloat16, torch.float32) for n in norms))
+            and all(type(n) is RMSNorm and n.weight.dtype in (torch.bfloat16, torch.float32) for n in _norms(layer)))
 
 
 def _alike(model: nn.Module) -> bool:
-    """Every layer of the op's one shape: the first layer's head counts, widths, bias and q / k norms, and one eps."""
-    first = model.layers[0]
-    norms = [model.norm]
+    """Every layer of the op's one shape (the first layer's head counts, widths, bias, q / k norms and rotary) and one
+    eps for every norm."""
 
     def shape(layer) -> tuple:
         attn, mlp = layer.self_attn, layer.mlp
-        norms.extend([layer.input_layernorm, layer.post_attention_layernorm]
-                     + ([attn.q_norm, attn.k_norm] if attn.qk_norm else []))
         return (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qkv_proj.out_features, attn.o_proj.out_features,
                 mlp.gate_up_proj.out_features, mlp.down_proj.out_features, attn.qkv_proj.bias is not None,
                 attn.qk_norm, attn.scale, attn.rotary)
-    same = all(shape(layer) == shape(first) for layer in model.layers) and first.self_attn.rotary is model.rotary
-    return same and len({n.eps for n in norms}) == 1
+
+    first = shape(model.layers[0])
+    eps = {model.norm.eps} | {n.eps for layer in model.layers for n in _norms(layer)}
+    return (all(shape(layer) == first for layer in model.layers) and model.layers[0].self_attn.rotary is model.rotary
+            and len(eps) == 1)
 
 
 def _layer_weights(layer: nn.Module, has_bias: bool) -> list[torch.Tensor]:
