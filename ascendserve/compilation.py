@@ -35,6 +35,11 @@ def compiled_module_classes() -> tuple[type, ...]:
     return (RMSNorm, GemmaRMSNorm, RMSNormGated, GatedActivation, RotaryEmbedding, MRotaryEmbedding)
 
 
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether compile_model_ wrapped this module's forward (an instance attribute over the class's)."""
+    return "forward" in vars(module)
+
+
 def compile_model_(model: torch.nn.Module, platform) -> int:
     """Compile the forwards of `model`'s elementwise modules in place; returns how many were wrapped.
 

@@ -13,6 +13,7 @@ Python loop of the same op calls: 64.7-67.4 against 70.2-73.4 in an earlier hour
 import torch
 from torch import nn
 
+from ascendserve.compilation import is_compiled
 from ascendserve.layers import cpu_kernels
 from ascendserve.layers.compact_linear import Bf16GateUpSilu, Bf16Linear
 from ascendserve.layers.norm import RMSNorm
@@ -43,7 +44,7 @@ class CpuDecodeLoop:
         if not (len(model.layers) and all(_runs_on_kernels(layer) for layer in model.layers)
                 and type(model.norm) is RMSNorm and _alike(model) and isinstance(model.rotary, RotaryEmbedding)
                 and model.rotary.cos_cache.dtype == torch.float32 and model.norm.weight.device.type == "cpu"
-                and not any("forward" in vars(m) for m in model.modules())):  # compiled modules take the torch forms
+                and not any(is_compiled(m) for m in model.modules())):  # compiled modules take the torch forms
             return None
         kernels = cpu_kernels.ops()
         if kernels is None or not kernels.paged_decode_bf16_dot(model.layers[0].self_attn.head_dim):
