@@ -28,11 +28,11 @@ class CpuDecodeLoop:
         self.kernels = kernels
         self.rotary = model.rotary
         attn = model.layers[0].self_attn
-        self.has_bias = attn.qkv_proj.bias is not None
-        self.weights = [w for layer in model.layers for w in _layer_weights(layer, self.has_bias)] + [model.norm.weight]
+        has_bias = attn.qkv_proj.bias is not None
+        self.weights = [w for layer in model.layers for w in _layer_weights(layer, has_bias)] + [model.norm.weight]
         self.dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qkv_proj.out_features,
                      attn.o_proj.out_features, model.layers[0].mlp.gate_up_proj.out_features,
-                     model.layers[0].mlp.down_proj.out_features, int(self.has_bias), int(attn.qk_norm)]
+                     model.layers[0].mlp.down_proj.out_features, int(has_bias), int(attn.qk_norm)]
         self.eps, self.scale = model.norm.eps, attn.scale
 
     @classmethod

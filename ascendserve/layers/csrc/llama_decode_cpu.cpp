@@ -15,11 +15,20 @@
 
 #include <optional>
 #include <tuple>
-#include <vector>
 
 namespace {
 
 using OptTensor = std::optional<at::Tensor>;
+
+// The signatures the registered ops' schemas give (Tensor? -> optional, float -> double, Tensor(a!) -> Tensor&).
+using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&, bool);
+using SiluMul = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
+using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double, bool);
+using AddNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                                   bool);
+using Rope = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using Attend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, double);
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name) {
@@ -27,24 +36,12 @@ c10::TypedOperatorHandle<Signature> op(const char* name) {
 }
 
 struct Ops {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&, bool)> linear =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&, bool)>(
-          "ascendserve_cpu::bf16_linear_bf16x");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)> silu_mul =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("ascendserve_cpu::bf16_linear_silu_mul");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool)> norm =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool)>("ascendserve_cpu::rms_norm");
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                              double, bool)>
-      add_norm = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                       double, bool)>("ascendserve_cpu::add_rms_norm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
-      rope = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-          "ascendserve_cpu::rope_neox");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
-      attend = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&, double)>("ascendserve_cpu::paged_decode_write");
+  c10::TypedOperatorHandle<Linear> linear = op<Linear>("ascendserve_cpu::bf16_linear_bf16x");
+  c10::TypedOperatorHandle<SiluMul> silu_mul = op<SiluMul>("ascendserve_cpu::bf16_linear_silu_mul");
+  c10::TypedOperatorHandle<Norm> norm = op<Norm>("ascendserve_cpu::rms_norm");
+  c10::TypedOperatorHandle<AddNorm> add_norm = op<AddNorm>("ascendserve_cpu::add_rms_norm");
+  c10::TypedOperatorHandle<Rope> rope = op<Rope>("ascendserve_cpu::rope_neox");
+  c10::TypedOperatorHandle<Attend> attend = op<Attend>("ascendserve_cpu::paged_decode_write");
 };
 
 at::Tensor llama_decode_layers(const at::Tensor& embedded, const at::Tensor& positions, at::TensorList weights,
